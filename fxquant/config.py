@@ -1,0 +1,186 @@
+"""``QuantConfig``: one frozen dataclass that says what to quantize and how.
+
+Precedence for a module path, documented once here and in docs/config.md: ``overrides`` (most specific) >
+``exclude`` > ``include`` > the defaults. Configs round-trip through dicts, JSON, YAML and TOML with a version
+field; an unknown key raises :class:`~fxquant.errors.ConfigError` naming the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import fnmatch
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fxquant.errors import ConfigError
+
+CONFIG_VERSION = 1
+BACKENDS = ("fbgemm", "qnnpack", "onednn", "reference", "auto")
+WEIGHT_SCHEMES = ("per_channel", "per_tensor")
+OVERRIDE_KEYS = ("activation", "weight", "backend", "observer_options")
+
+
+def _unknown_key_error(key: str, valid: Sequence[str], where: str) -> ConfigError:
+    near = difflib.get_close_matches(key, valid, n=1)
+    hint = f" Did you mean {near[0]!r}?" if near else ""
+    return ConfigError(f"unknown key {key!r} in {where}.{hint} Valid keys: {', '.join(sorted(valid))}.")
+
+
+def _check_choice(name: str, value: object, choices: Sequence[str], where: str) -> None:
+    if value not in choices:
+        near = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" Did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"{where}: {name}={value!r} is not one of {', '.join(choices)}.{hint}")
+
+
+def _check_activation(name: object, where: str) -> None:
+    from fxquant.observers.registry import activation_observer_names  # lazy: config sits below observers
+
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: activation must be an observer name (str), got {type(name).__name__}")
+    _check_choice("activation", name, activation_observer_names(), where)
+
+
+@dataclass(frozen=True)
+class LayerSettings:
+    """The resolved settings for one module path."""
+
+    quantize: bool
+    activation: str
+    weight: str
+    backend: str
+    observer_options: Mapping[str, Any]
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How to quantize a model.
+
+    Example::
+
+        config = QuantConfig(backend="fbgemm", activation="minmax", exclude=["classifier.*"])
+    """
+
+    backend: str = "fbgemm"
+    activation: str = "minmax"
+    weight: str = "per_channel"
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
+    overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    observer_options: Mapping[str, Any] = field(default_factory=dict)
+    leaf_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("include", "exclude", "leaf_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, Sequence):
+                raise ConfigError(f"QuantConfig.{name} must be a list of patterns, got {value!r}")
+            object.__setattr__(self, name, tuple(str(v) for v in value))
+        _check_choice("backend", self.backend, BACKENDS, "QuantConfig")
+        _check_choice("weight", self.weight, WEIGHT_SCHEMES, "QuantConfig")
+        _check_activation(self.activation, "QuantConfig")
+        if not isinstance(self.overrides, Mapping):
+            raise ConfigError(f"QuantConfig.overrides must map module paths to settings, got {self.overrides!r}")
+        for path, settings in self.overrides.items():
+            self._check_override(path, settings)
+
+    @staticmethod
+    def _check_override(path: str, settings: Mapping[str, Any]) -> None:
+        where = f"overrides[{path!r}]"
+        if not isinstance(settings, Mapping):
+            raise ConfigError(f"{where} must be a mapping of settings, got {settings!r}")
+        for key in settings:
+            if key not in OVERRIDE_KEYS:
+                raise _unknown_key_error(key, OVERRIDE_KEYS, where)
+        if "activation" in settings:
+            _check_activation(settings["activation"], where)
+        if "weight" in settings:
+            _check_choice("weight", settings["weight"], WEIGHT_SCHEMES, where)
+        if "backend" in settings:
+            _check_choice("backend", settings["backend"], BACKENDS, where)
+
+    def settings_for(self, path: str) -> LayerSettings:
+        """Resolve the settings of the module at ``path`` (override > exclude > include > default)."""
+        base = dict(activation=self.activation, weight=self.weight, backend=self.backend,
+                    observer_options=dict(self.observer_options))
+        override = self._matching_override(path)
+        if override is not None:
+            merged = {**base, **override}
+            merged["observer_options"] = {**base["observer_options"], **override.get("observer_options", {})}
+            return LayerSettings(quantize=True, **merged)
+        if any(fnmatch.fnmatchcase(path, p) for p in self.exclude):
+            return LayerSettings(quantize=False, reason="excluded by config", **base)
+        if not any(fnmatch.fnmatchcase(path, p) for p in self.include):
+            return LayerSettings(quantize=False, reason="not matched by config.include", **base)
+        return LayerSettings(quantize=True, **base)
+
+    def _matching_override(self, path: str) -> Mapping[str, Any] | None:
+        if path in self.overrides:
+            return self.overrides[path]
+        for pattern, settings in self.overrides.items():
+            if fnmatch.fnmatchcase(path, pattern):
+                return settings
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict with a ``version`` field."""
+        data = dataclasses.asdict(self)
+        for key in ("include", "exclude", "leaf_modules"):
+            data[key] = list(data[key])
+        data["overrides"] = {k: dict(v) for k, v in self.overrides.items()}
+        data["observer_options"] = dict(self.observer_options)
+        return {"version": CONFIG_VERSION, **data}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> QuantConfig:
+        """Build a config from a mapping; unknown keys raise ``ConfigError`` naming the nearest valid key."""
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"{source}: expected a mapping of settings, got {type(data).__name__}")
+        data = dict(data)
+        version = data.pop("version", CONFIG_VERSION)
+        if version != CONFIG_VERSION:
+            raise ConfigError(f"{source}: config version {version!r} is not supported (this fxquant reads "
+                              f"version {CONFIG_VERSION}); upgrade fxquant or rewrite the file")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in data:
+            if key not in valid:
+                raise _unknown_key_error(key, valid, source)
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> QuantConfig:
+        """Read a ``.json``, ``.yaml``/``.yml`` or ``.toml`` config file."""
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        return cls.from_dict(_parse_config_text(path), source=str(path))
+
+
+def _parse_config_text(path: Path) -> Any:
+    text = path.read_text(encoding="utf-8")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".json":
+            return json.loads(text)
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            return yaml.safe_load(text) or {}
+        if suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+    except Exception as exc:  # each parser has its own error type; all mean the same to the user
+        raise ConfigError(f"{path}: cannot parse {suffix[1:].upper()}: {exc}") from None
+    raise ConfigError(f"{path}: unsupported config format {suffix!r}; use .json, .yaml, .yml or .toml")

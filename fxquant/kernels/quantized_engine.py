@@ -1,0 +1,148 @@
+"""fbgemm and qnnpack: ``torch.ops.quantized`` kernels on quantized-dtype tensors.
+
+This is the only module of fxquant that touches the quantized dtypes (``quint8``/``qint8``) and the process-wide
+``torch.backends.quantized.engine``. torch 2.13 deprecates those dtypes (pytorch issue 184982); users of these two
+backends are told once, and torch's per-call warning is silenced. The engine is switched only while weights are
+prepacked (a packed weight remembers its engine), then restored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fxquant.cpu import has_vnni
+from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
+from fxquant.kernels.registry import register_backend
+from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
+
+log = logging.getLogger(__name__)
+_TOLD = False
+_DEPRECATION = r".*quantized tensor creation functions.*deprecated.*"
+_q = torch.ops.quantized
+_CONV_OPS = {
+    1: (_q.conv1d_prepack, _q.conv1d, _q.conv1d_relu),
+    2: (_q.conv2d_prepack, _q.conv2d, _q.conv2d_relu),
+    3: (_q.conv3d_prepack, _q.conv3d, _q.conv3d_relu),
+}
+
+
+def _tell_once() -> None:
+    global _TOLD
+    if not _TOLD:
+        _TOLD = True
+        warnings.filterwarnings("ignore", message=_DEPRECATION)
+        warnings.warn(
+            "fxquant's fbgemm/qnnpack backends use torch's quantized dtypes, which torch 2.13 deprecates "
+            "(pytorch issue 184982); the 'onednn' and 'reference' backends do not use them.",
+            FutureWarning,
+            stacklevel=3,
+        )
+
+
+@contextlib.contextmanager
+def quantized_engine(name: str) -> Iterator[None]:
+    """Set ``torch.backends.quantized.engine`` for the block and restore it afterwards."""
+    previous = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = previous
+
+
+def _weight_tensor(weight: torch.Tensor, w_qp: QParams) -> torch.Tensor:
+    if w_qp.axis is None:
+        scale, zp = w_qp.scalar()
+        return torch._make_per_tensor_quantized_tensor(weight, scale, zp)
+    return torch._make_per_channel_quantized_tensor(
+        weight, w_qp.scale.double(), w_qp.zero_point, w_qp.axis
+    )
+
+
+class _QuantizedDtypeBackend(Backend):
+    engine = ""
+
+    @classmethod
+    def is_available(cls) -> bool:
+        return cls.engine in torch.backends.quantized.supported_engines
+
+    def __init__(self) -> None:
+        _tell_once()
+
+    def quantize(self, x: torch.Tensor, qp: QParams) -> torch.Tensor:
+        scale, zp = qp.scalar()
+        return torch.quantize_per_tensor(x.float(), scale, zp, torch.quint8)
+
+    def dequantize(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
+        return a.dequantize()
+
+    def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> PackedWeight:
+        with quantized_engine(self.engine):
+            payload = _q.linear_prepack(_weight_tensor(weight, w_qp), bias)
+        return PackedWeight(self.name, payload)
+
+    def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+               relu: bool) -> torch.Tensor:
+        scale, zp = out_qp.scalar()
+        op = _q.linear_relu if relu else _q.linear
+        return op(a, packed.payload, scale, zp)
+
+    def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
+                     in_qp: QParams) -> PackedWeight:
+        prepack = _CONV_OPS[spec.dim][0]
+        with quantized_engine(self.engine):
+            payload = prepack(_weight_tensor(weight, w_qp), bias, list(spec.stride), list(spec.padding),
+                              list(spec.dilation), spec.groups)
+        return PackedWeight(self.name, (spec.dim, payload))
+
+    def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+             relu: bool) -> torch.Tensor:
+        dim, payload = packed.payload
+        scale, zp = out_qp.scalar()
+        return _CONV_OPS[dim][2 if relu else 1](a, payload, scale, zp)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor, qa: QParams, qb: QParams, qout: QParams, *,
+            relu: bool) -> torch.Tensor:
+        scale, zp = qout.scalar()
+        return (_q.add_relu if relu else _q.add)(a, b, scale, zp)
+
+    def relu(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
+        return torch.relu(a)
+
+    def adaptive_avg_pool(self, a: torch.Tensor, qp: QParams, output_size: Any) -> torch.Tensor:
+        fn = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}[a.dim()]
+        return fn(a, output_size)
+
+    def avg_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:
+        fn = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[dim]
+        return fn(a, **kwargs)
+
+
+@register_backend("fbgemm")
+class FbgemmBackend(_QuantizedDtypeBackend):
+    """x86 server kernels. Without VNNI (and always for grouped convs) u8*s8 pairs sum in 16 bits, so
+    activations that feed them use 7 bits to avoid silent saturation."""
+
+    engine = "fbgemm"
+
+    def activation_qrange(self, *, feeds_grouped_conv: bool) -> tuple[int, int]:
+        if feeds_grouped_conv or not has_vnni():
+            return REDUCED_UINT8_RANGE
+        return UINT8_RANGE
+
+
+@register_backend("qnnpack")
+class QnnpackBackend(_QuantizedDtypeBackend):
+    """Mobile-first kernels; its convs return channels-last tensors, made contiguous before element-wise ops."""
+
+    engine = "qnnpack"
+
+    def relu(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
+        return torch.relu(a.contiguous())

@@ -1,0 +1,111 @@
+"""The observer contract.
+
+An observer is an identity ``nn.Module`` that records statistics of the tensors flowing through it. Its statistics
+live in buffers (plain tensors, so ``state_dict()`` saves and ``load_state_dict()`` restores them), ``merge`` combines
+two observers' statistics (sharded or resumed calibration), and ``qparams`` turns statistics into quantization
+parameters *at convert time*, for whatever integer range the chosen kernel needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from fxquant.errors import CalibrationError
+from fxquant.qparams import UINT8_RANGE, QParams, affine_qparams
+
+
+class Observer(nn.Module):
+    """Base class of activation observers; subclasses implement ``_update`` and ``_merge``.
+
+    ``min_val``/``max_val`` (the running range) are kept by every observer so that summaries, reports and the
+    ``minmax`` fallback are available whatever the range method is.
+    """
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = "activation"
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__()
+        if options:
+            raise TypeError(f"{type(self).__name__} takes no options {sorted(options)}")
+        self.register_buffer("min_val", torch.tensor(float("inf")))
+        self.register_buffer("max_val", torch.tensor(float("-inf")))
+        self.register_buffer("num_updates", torch.tensor(0, dtype=torch.int64))
+        self.register_buffer("num_elements", torch.tensor(0, dtype=torch.int64))
+        self.enabled = True
+        self.label = ""  # the graph location, set by insert_observers; used in error messages
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enabled and isinstance(x, torch.Tensor) and x.is_floating_point():
+            self.update(x)
+        return x
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        """Record the statistics of ``x``; raises ``CalibrationError`` on NaN/Inf and leaves the state untouched."""
+        if x.numel() == 0:
+            return
+        x = x.detach()
+        lo, hi = torch.aminmax(x)
+        if not (torch.isfinite(lo) and torch.isfinite(hi)):
+            raise CalibrationError(
+                f"observer {self.label or type(self).__name__} received NaN or Inf values; clean the data or "
+                "pass skip_nonfinite=True to calibrate() to skip such batches"
+            )
+        self._update(x, lo, hi)
+        self.min_val.copy_(torch.minimum(self.min_val, lo))
+        self.max_val.copy_(torch.maximum(self.max_val, hi))
+        self.num_updates += 1
+        self.num_elements += x.numel()
+
+    def _update(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        """Hook for statistics beyond the range; called before ``min_val``/``max_val`` are updated."""
+
+    @property
+    def has_data(self) -> bool:
+        return bool(self.num_updates > 0)
+
+    @torch.no_grad()
+    def merge(self, other: Observer) -> None:
+        """Combine ``other``'s statistics into this observer (same class and options required)."""
+        if type(other) is not type(self):
+            raise CalibrationError(f"cannot merge {type(other).__name__} into {type(self).__name__}")
+        if not other.has_data:
+            return
+        self._merge(other)
+        self.min_val.copy_(torch.minimum(self.min_val, other.min_val))
+        self.max_val.copy_(torch.maximum(self.max_val, other.max_val))
+        self.num_updates += other.num_updates
+        self.num_elements += other.num_elements
+
+    def _merge(self, other: Observer) -> None:
+        """Hook for merging statistics beyond the range; called before the range is merged."""
+
+    def qparams(self, qrange: tuple[int, int] = UINT8_RANGE) -> QParams:
+        """Per-tensor affine qparams for ``qrange``; raises ``CalibrationError`` if the observer saw no data."""
+        if not self.has_data:
+            raise CalibrationError(f"observer {self.label or type(self).__name__} saw no data; run calibrate() first")
+        lo, hi = self.range()
+        return affine_qparams(lo, hi, qrange)
+
+    def range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The clipping range this observer's method chooses; the running min/max unless overridden."""
+        return self.min_val.clone(), self.max_val.clone()
+
+    def extra_repr(self) -> str:
+        if not self.has_data:
+            return f"{self.label}, no data"
+        return f"{self.label}, min={float(self.min_val):.4g}, max={float(self.max_val):.4g}"
+
+
+class WeightObserver:
+    """Base class of weight observers: stateless functions from a weight tensor to symmetric int8 qparams."""
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = "weight"
+
+    def qparams(self, weight: torch.Tensor, *, axis: int = 0) -> QParams:
+        raise NotImplementedError
