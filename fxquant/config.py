@@ -21,7 +21,7 @@ from fxquant.errors import ConfigError
 CONFIG_VERSION = 1
 BACKENDS = ("fbgemm", "qnnpack", "onednn", "reference", "auto")
 WEIGHT_SCHEMES = ("per_channel", "per_tensor")
-OVERRIDE_KEYS = ("activation", "weight", "backend", "observer_options")
+OVERRIDE_KEYS = ("activation", "weight", "observer_options")
 
 
 def _unknown_key_error(key: str, valid: Sequence[str], where: str) -> ConfigError:
@@ -52,7 +52,6 @@ class LayerSettings:
     quantize: bool
     activation: str
     weight: str
-    backend: str
     observer_options: Mapping[str, Any]
     reason: str = ""
 
@@ -101,13 +100,10 @@ class QuantConfig:
             _check_activation(settings["activation"], where)
         if "weight" in settings:
             _check_choice("weight", settings["weight"], WEIGHT_SCHEMES, where)
-        if "backend" in settings:
-            _check_choice("backend", settings["backend"], BACKENDS, where)
 
     def settings_for(self, path: str) -> LayerSettings:
         """Resolve the settings of the module at ``path`` (override > exclude > include > default)."""
-        base = dict(activation=self.activation, weight=self.weight, backend=self.backend,
-                    observer_options=dict(self.observer_options))
+        base = dict(activation=self.activation, weight=self.weight, observer_options=dict(self.observer_options))
         override = self._matching_override(path)
         if override is not None:
             merged = {**base, **override}

@@ -19,7 +19,7 @@ REDUCED_UINT8_RANGE = (0, 127)
 _EPS = torch.finfo(torch.float32).eps
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class QParams:
     """Quantization parameters of one tensor.
 
@@ -33,6 +33,11 @@ class QParams:
     qmax: int
     axis: int | None = None
 
+    def __post_init__(self) -> None:
+        # Kernels take Python numbers; converting 0-d tensors on every call would cost microseconds per layer.
+        cached = None if self.axis is not None else (float(self.scale), int(self.zero_point))
+        object.__setattr__(self, "_scalar", cached)
+
     @property
     def dtype(self) -> torch.dtype:
         """The plain integer dtype that holds the quantized values."""
@@ -44,9 +49,9 @@ class QParams:
 
     def scalar(self) -> tuple[float, int]:
         """``(scale, zero_point)`` as Python numbers; only valid for per-tensor parameters."""
-        if self.axis is not None:
+        if self._scalar is None:  # type: ignore[attr-defined]
             raise ValueError("scalar() needs per-tensor qparams")
-        return float(self.scale), int(self.zero_point)
+        return self._scalar  # type: ignore[attr-defined,no-any-return]
 
     def to_dict(self) -> dict[str, torch.Tensor | int | None]:
         return {

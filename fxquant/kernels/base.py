@@ -49,6 +49,9 @@ class Backend(ABC):
 
     name: ClassVar[str] = ""
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Backend:
+        return self  # backends are stateless shared instances; copying a model must not copy them
+
     @classmethod
     def is_available(cls) -> bool:
         """Whether this torch build and CPU can run the backend."""

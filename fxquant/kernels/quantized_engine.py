@@ -38,11 +38,9 @@ def _tell_once() -> None:
     if not _TOLD:
         _TOLD = True
         warnings.filterwarnings("ignore", message=_DEPRECATION)
-        warnings.warn(
-            "fxquant's fbgemm/qnnpack backends use torch's quantized dtypes, which torch 2.13 deprecates "
-            "(pytorch issue 184982); the 'onednn' and 'reference' backends do not use them.",
-            FutureWarning,
-            stacklevel=3,
+        log.warning(
+            "note: fxquant's fbgemm/qnnpack backends use torch's quantized dtypes, which torch 2.13 deprecates "
+            "(pytorch issue 184982); the 'onednn' and 'reference' backends do not use them."
         )
 
 

@@ -1,3 +1,3 @@
 """Imports every built-in observer module so that each registers itself."""
 
-from fxquant.observers import minmax, weight  # noqa: F401
+from fxquant.observers import entropy, histogram, minmax, moving_average, mse, percentile, weight  # noqa: F401

@@ -1,0 +1,124 @@
+"""The public pipeline: prepare -> calibrate -> convert (and quantize, all three at once).
+
+Each step is a short sequence of passes; the heavy lifting lives in :mod:`fxquant.passes`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxquant.calibration import calibrate, observers_of
+from fxquant.config import QuantConfig
+from fxquant.errors import CalibrationError, InputError
+from fxquant.kernels.registry import get_backend
+from fxquant.passes import fold_batchnorm, fuse_activations, insert_observers, lower_to_int8
+from fxquant.tracing import trace
+
+STATE_KEY = "fxquant_state"  # key in GraphModule.meta, which deepcopy preserves
+
+
+@dataclass(frozen=True)
+class QuantState:
+    """What fxquant knows about a GraphModule it produced (kept in ``gm.meta[STATE_KEY]``)."""
+
+    config: QuantConfig
+    stage: str  # "prepared" or "converted"
+    example_shapes: tuple[tuple[int, ...], ...]
+    backend: str | None = None
+
+
+def quant_state(gm: nn.Module) -> QuantState:
+    state = getattr(gm, "meta", {}).get(STATE_KEY)
+    if not isinstance(state, QuantState):
+        raise InputError(f"{type(gm).__name__} was not produced by fxquant.prepare(); prepare the float model first")
+    return state
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    if model.training:
+        raise InputError(f"{type(model).__name__} is in training mode; call model.eval() first (post-training "
+                         "quantization folds BatchNorm running statistics and drops dropout)")
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type != "cpu":
+            raise InputError(f"{name} is on {tensor.device}; fxquant targets CPU kernels: call model.cpu() first")
+
+
+def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if not isinstance(example_inputs, (tuple, list)):
+        raise InputError(f"example_inputs must be a tuple of positional inputs, e.g. (x,), "
+                         f"got {type(example_inputs).__name__}")
+    return tuple(example_inputs)
+
+
+def _describe(inputs: tuple[Any, ...]) -> str:
+    return ", ".join(f"Tensor{tuple(v.shape)}:{v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+                     for v in inputs)
+
+
+def _run_example(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
+    try:
+        with torch.no_grad():
+            gm(*example_inputs)
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise InputError(f"the model rejects the example inputs ({_describe(example_inputs)}): {reason}") from exc
+
+
+def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = None) -> fx.GraphModule:
+    """Trace a copy of ``model``, fold BatchNorm, fuse activations and insert observers.
+
+    The returned GraphModule computes what ``model`` computes (observers are identities) while recording ranges.
+    ``model`` itself is never modified. Example::
+
+        prepared = fxquant.prepare(model.eval(), (torch.randn(1, 3, 224, 224),))
+    """
+    config = config or QuantConfig()
+    _check_model(model)
+    example_inputs = _check_example_inputs(example_inputs)
+    gm = trace(copy.deepcopy(model), leaf_modules=config.leaf_modules)
+    _run_example(gm, example_inputs)
+    gm = insert_observers(fuse_activations(fold_batchnorm(gm)), config)
+    shapes = tuple(tuple(v.shape) for v in example_inputs if isinstance(v, torch.Tensor))
+    gm.meta[STATE_KEY] = QuantState(config, "prepared", shapes)
+    return gm
+
+
+def convert(prepared: fx.GraphModule, *, backend: str | None = None) -> fx.GraphModule:
+    """Replace observed Linear/Conv/add nodes with INT8 modules running on ``backend`` (default: the config's).
+
+    Raises ``CalibrationError`` listing the observers that saw no data. ``prepared`` is left unchanged. Example::
+
+        qmodel = fxquant.convert(prepared, backend="fbgemm")
+    """
+    state = quant_state(prepared)
+    if state.stage != "prepared":
+        raise InputError("convert() takes the model returned by prepare(), not an already converted one")
+    empty = [obs.label for obs in observers_of(prepared).values() if not obs.has_data]
+    if empty:
+        raise CalibrationError(f"{len(empty)} observer(s) saw no data: {', '.join(empty)}. Run "
+                               "fxquant.calibrate(prepared, data) with data that reaches them before convert().")
+    kernel = get_backend(backend or state.config.backend)
+    gm = lower_to_int8(copy.deepcopy(prepared), state.config, kernel)
+    gm.meta[STATE_KEY] = replace(state, stage="converted", backend=kernel.name)
+    return gm
+
+
+def quantize(model: nn.Module, example_inputs: Any, data: Iterable[Any], config: QuantConfig | None = None, *,
+             num_batches: int | None = None, progress: bool = True) -> fx.GraphModule:
+    """``prepare`` + ``calibrate`` + ``convert`` in one call. Example::
+
+        qmodel = fxquant.quantize(model.eval(), (x,), loader, num_batches=32)
+    """
+    prepared = prepare(model, example_inputs, config)
+    calibrate(prepared, data, num_batches=num_batches, progress=progress)
+    return convert(prepared)

@@ -1,0 +1,57 @@
+"""The FX graph as a table (opcode, name, target, args, kwargs) with each node's quantization role marked."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from torch import fx, nn
+
+from fxquant.nn.quantized import DeQuantize, Quantize, _BackendModule
+from fxquant.observers import Observer
+
+
+def node_role(node: fx.Node, modules: dict[str, nn.Module]) -> str:
+    """``observer``, ``quantize``, ``dequantize``, ``int8[<backend>]`` or empty for float nodes."""
+    if node.op != "call_module":
+        return ""
+    module = modules.get(str(node.target))
+    if isinstance(module, Observer):
+        return "observer"
+    if isinstance(module, Quantize):
+        return "quantize"
+    if isinstance(module, DeQuantize):
+        return "dequantize"
+    if isinstance(module, _BackendModule):
+        return f"int8[{module.backend.name}]"
+    return ""
+
+
+def _short(value: object, width: int = 48) -> str:
+    text = str(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_graph(gm: fx.GraphModule) -> str:
+    """The table ``print_graph`` prints, as a string."""
+    modules = dict(gm.named_modules())
+    header = ("opcode", "name", "target", "args", "kwargs", "quant")
+    rows = [header]
+    for node in gm.graph.nodes:
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", node.target)
+        rows.append((node.op, node.name, _short(target), _short(node.args), _short(node.kwargs),
+                     node_role(node, modules)))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(str(cell).ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_graph(gm: fx.GraphModule, file: TextIO | None = None) -> None:
+    """Print the graph of ``gm`` as a table, like ``graph.print_tabular()`` plus a quantization column.
+
+    Example::
+
+        fxquant.print_graph(fxquant.convert(prepared))
+    """
+    print(format_graph(gm), file=file or sys.stdout)

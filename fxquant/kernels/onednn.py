@@ -1,0 +1,155 @@
+"""oneDNN int8 kernels (``torch.ops.onednn``, the ops torch.compile's x86 inductor lowers to) on plain tensors.
+
+Activations are plain ``torch.uint8`` tensors and weights plain ``torch.int8``: no quantized dtype, no global engine.
+Conventions, checked against the op schemas of torch 2.13 and numerically against the reference backend:
+
+* ``qlinear_pointwise`` / ``qconv_pointwise`` take the *real* output scale (oneDNN divides by it). Older builds named
+  the argument ``inv_output_scale`` and took ``1 / scale``, so ``is_available`` rejects schemas without
+  ``output_scale``/``output_dtype``.
+* ``output_dtype=torch.uint8`` returns requantized uint8; a ``"relu"`` post-op clamps at the output zero point.
+* The bias stays float and is added after the accumulator is scaled; fbgemm and the reference backend round it to
+  int32 first, which can move an output by at most one step.
+* Weight zero points must be 0; scales are 0-d (per-tensor) or one per output channel.
+* Conv returns channels-last tensors, so inputs are made channels-last up front (a no-op between two convs).
+
+What does not work, measured with torch 2.13 (see ``tests/kernels/test_onednn_pitfalls.py``):
+
+* conv3d gives wrong results (whole output rows off by up to 255 steps) for common geometries such as a 2x2x2
+  kernel with stride (1, 1, 2), can crash the process on small inputs, and has no ReLU post-op. It raises
+  :class:`BackendUnavailableError`; 1d (run as 2d by the op) and 2d are fine.
+* When padding reaches past the dilated kernel (some outputs see only padding), depthwise convs with a channel
+  multiplier come out wrong and tiny inputs can crash. Such convs are padded explicitly with the input zero point
+  and run unpadded: the same convolution, one copy slower; real networks rarely pad that much.
+
+With VNNI/AMX, u8*s8 products accumulate in int32 and activations use the full 8-bit range (measured exact here,
+including the depthwise case where fbgemm saturates). Without VNNI, pairs of u8*s8 products are summed in 16 bits
+(``vpmaddubsw``); oneDNN's weight pre-scaling (``scale_adjust``) only covers signed sources, so u8 activations drop
+to 7 bits there, as for fbgemm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from fxquant.cpu import has_vnni
+from fxquant.errors import BackendUnavailableError
+from fxquant.kernels.base import ConvSpec, PackedWeight
+from fxquant.kernels.plain_int8 import PlainInt8Backend, weight_scale
+from fxquant.kernels.registry import register_backend
+from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
+
+_OPS = ("qlinear_prepack", "qlinear_pointwise", "qconv_prepack", "qconv_pointwise")
+_SUPPORTED_CONV_DIMS = (1, 2)
+
+
+@dataclass(frozen=True)
+class OnednnWeight:
+    """A oneDNN-packed weight plus the arguments every call repeats."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    bias: torch.Tensor | None
+    spec: ConvSpec | None = None
+    # F.pad-style padding (last dim first) applied with the input zero point before an unpadded conv.
+    explicit_padding: tuple[int, ...] = ()
+
+
+def _schema_is_verified(op: Any) -> bool:
+    names = {argument.name for argument in op.default._schema.arguments}
+    return {"output_scale", "output_dtype"} <= names
+
+
+def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
+                   packed: torch.Tensor) -> OnednnWeight:
+    scale = weight_scale(w_qp, weight).contiguous()
+    float_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    return OnednnWeight(packed, scale, torch.zeros(scale.shape, dtype=torch.int64), float_bias)
+
+
+def _padding_past_kernel(spec: ConvSpec, weight: torch.Tensor) -> tuple[int, ...]:
+    """F.pad padding for convs whose padding reaches past the dilated kernel in some dim, else ()."""
+    extents = [d * (k - 1) + 1 for d, k in zip(spec.dilation, weight.shape[2:], strict=True)]
+    if all(p < e for p, e in zip(spec.padding, extents, strict=True)):
+        return ()
+    return tuple(p for pad in reversed(spec.padding) for p in (pad, pad))
+
+
+def _within(out: torch.Tensor, qp: QParams) -> torch.Tensor:
+    """oneDNN saturates to [0, 255]; narrower ranges (7-bit activations for fbgemm) need one more clamp."""
+    if (qp.qmin, qp.qmax) == UINT8_RANGE:
+        return out
+    return out.clamp_(qp.qmin, qp.qmax)
+
+
+@register_backend("onednn")
+class OnednnBackend(PlainInt8Backend):
+    """x86 oneDNN kernels (VNNI, AMX) on plain int8 tensors; element-wise ops run in float32 for speed."""
+
+    elementwise_dtype = torch.float32
+
+    @classmethod
+    def is_available(cls) -> bool:
+        try:
+            ops = [getattr(torch.ops.onednn, name) for name in _OPS]
+        except (AttributeError, RuntimeError):
+            return False
+        schemas_ok = _schema_is_verified(ops[1]) and _schema_is_verified(ops[3])
+        return schemas_ok and torch.backends.mkldnn.is_available()
+
+    def activation_qrange(self, *, feeds_grouped_conv: bool) -> tuple[int, int]:
+        return UINT8_RANGE if has_vnni() else REDUCED_UINT8_RANGE
+
+    def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> PackedWeight:
+        # The input shape is only a layout hint; None packs for any batch (measured as fast at batch 1 and 64).
+        packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
+        return PackedWeight(self.name, _onednn_weight(weight, w_qp, bias, packed))
+
+    def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+               relu: bool) -> torch.Tensor:
+        w: OnednnWeight = packed.payload
+        (x_scale, x_zp), (out_scale, out_zp) = in_qp.scalar(), out_qp.scalar()
+        out = torch.ops.onednn.qlinear_pointwise(
+            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, out_scale, out_zp, torch.uint8,
+            "relu" if relu else "none", [], "",
+        )
+        return _within(out, out_qp)
+
+    def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
+                     in_qp: QParams) -> PackedWeight:
+        if spec.dim not in _SUPPORTED_CONV_DIMS:
+            raise BackendUnavailableError(
+                f"the onednn backend does not run conv{spec.dim}d (weight {tuple(weight.shape)}): torch's oneDNN "
+                "int8 conv3d gives wrong results for common geometries; use the 'fbgemm' or 'reference' backend, "
+                "or exclude the Conv3d layers from quantization"
+            )
+        explicit_padding = _padding_past_kernel(spec, weight)
+        if explicit_padding:
+            spec = replace(spec, padding=(0,) * spec.dim)
+        x_scale, x_zp = in_qp.scalar()
+        packed = torch.ops.onednn.qconv_prepack(
+            weight.contiguous(), weight_scale(w_qp, weight), x_scale, x_zp, list(spec.stride), list(spec.padding),
+            list(spec.dilation), spec.groups, None,
+        )
+        w = replace(_onednn_weight(weight, w_qp, bias, packed), spec=spec, explicit_padding=explicit_padding)
+        return PackedWeight(self.name, w)
+
+    def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+             relu: bool) -> torch.Tensor:
+        w: OnednnWeight = packed.payload
+        assert w.spec is not None, "conv() got weights packed by prepack_linear()"
+        spec = w.spec
+        if w.explicit_padding:
+            a = F.pad(a, w.explicit_padding, value=int(in_qp.zero_point))
+        if spec.dim == 2:
+            a = a.contiguous(memory_format=torch.channels_last)
+        (x_scale, x_zp), (out_scale, out_zp) = in_qp.scalar(), out_qp.scalar()
+        out = torch.ops.onednn.qconv_pointwise(
+            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, list(spec.stride), list(spec.padding),
+            list(spec.dilation), spec.groups, out_scale, out_zp, torch.uint8, "relu" if relu else "none", [], "",
+        )
+        return _within(out, out_qp)

@@ -1,0 +1,40 @@
+"""Float modules that the fuse pass builds: a Linear/Conv and the activation that follows it, as one unit.
+
+Fusing before observers are inserted means the output observer sees the activation's (clamped) range, and the
+int8 kernel applies the activation for free (ReLU as a post-op; a clamp at 6 by saturating at the observed range).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+COMPUTE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+class Fused(nn.Module):
+    """``clamp(inner(x), min_val, max_val)``; ``min_val`` is 0 for ReLU/ReLU6, ``max_val`` None for ReLU."""
+
+    def __init__(self, inner: nn.Module, min_val: float, max_val: float | None, activation: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.min_val = min_val
+        self.max_val = max_val
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp(self.inner(x), self.min_val, self.max_val)
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation}"
+
+
+def add_relu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``relu(a + b)``: the residual join the fuse pass forms so the int8 add applies the ReLU."""
+    return torch.relu(a + b)
+
+
+def compute_module(m: nn.Module) -> nn.Module | None:
+    """The Linear/Conv inside ``m`` if ``m`` is one (plain or fused), else None."""
+    inner = m.inner if isinstance(m, Fused) else m
+    return inner if type(inner) in COMPUTE_TYPES else None

@@ -1,0 +1,159 @@
+"""INT8 modules that ``convert`` puts in place of float Linear/Conv/add/ReLU/pool nodes.
+
+Each module keeps its int8 weight, scales and zero points as plain tensors (fxquant's own qparams) and hands the
+arithmetic to a :class:`~fxquant.kernels.base.Backend`. ``relower(backend)`` re-prepacks for another backend without
+recalibration.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.qparams import QParams
+
+
+class _BackendModule(nn.Module):
+    """A module whose forward runs on a backend; ``relower`` switches the backend."""
+
+    def __init__(self, backend: Backend) -> None:
+        super().__init__()
+        self.backend = backend
+
+    def relower(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend.name}"
+
+
+class Quantize(_BackendModule):
+    """Float -> int8 where a float value enters an int8 region."""
+
+    def __init__(self, qp: QParams, backend: Backend) -> None:
+        super().__init__(backend)
+        self.qp = qp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.quantize(x, self.qp)
+
+    def extra_repr(self) -> str:
+        scale, zp = self.qp.scalar()
+        return f"scale={scale:.4g}, zero_point={zp}, {super().extra_repr()}"
+
+
+class DeQuantize(_BackendModule):
+    """Int8 -> float where an int8 value leaves the int8 region."""
+
+    def __init__(self, qp: QParams, backend: Backend) -> None:
+        super().__init__(backend)
+        self.qp = qp
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return self.backend.dequantize(a, self.qp)
+
+
+class _QuantizedWeighted(_BackendModule):
+    """Shared state of quantized Linear/Conv: int8 weight, its qparams, float bias, input/output qparams."""
+
+    def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, io: tuple[QParams, QParams],
+                 *, relu: bool, backend: Backend) -> None:
+        super().__init__(backend)
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", w_qp.scale)
+        self.register_buffer("weight_zero_point", w_qp.zero_point)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.w_qp = w_qp
+        self.in_qp, self.out_qp = io
+        self.relu = relu
+        self.relower(backend)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        from fxquant.qparams import dequantize
+
+        return dequantize(self.weight, self.w_qp)
+
+    def extra_repr(self) -> str:
+        scale, zp = self.out_qp.scalar()
+        per = "per_channel" if self.w_qp.per_channel else "per_tensor"
+        return (f"{tuple(self.weight.shape)}, weight={per}, relu={self.relu}, scale={scale:.4g}, "
+                f"zero_point={zp}, backend={self.backend.name}")
+
+
+class QuantizedLinear(_QuantizedWeighted):
+    """INT8 ``nn.Linear`` (optionally fused with ReLU)."""
+
+    def relower(self, backend: Backend) -> None:
+        super().relower(backend)
+        self._packed = backend.prepack_linear(self.weight, self.w_qp, self.bias)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return self.backend.linear(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
+
+
+class QuantizedConvNd(_QuantizedWeighted):
+    """INT8 ``nn.ConvNd`` (optionally fused with ReLU)."""
+
+    def __init__(self, spec: ConvSpec, *args: Any, **kwargs: Any) -> None:
+        self.spec = spec
+        super().__init__(*args, **kwargs)
+
+    def relower(self, backend: Backend) -> None:
+        super().relower(backend)
+        self._packed = backend.prepack_conv(self.weight, self.w_qp, self.bias, self.spec, in_qp=self.in_qp)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return self.backend.conv(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
+
+
+class QuantizedConv1d(QuantizedConvNd):
+    """INT8 ``nn.Conv1d``."""
+
+
+class QuantizedConv2d(QuantizedConvNd):
+    """INT8 ``nn.Conv2d``."""
+
+
+class QuantizedConv3d(QuantizedConvNd):
+    """INT8 ``nn.Conv3d``."""
+
+
+class QuantizedAdd(_BackendModule):
+    """INT8 residual add (optionally fused with ReLU); inputs may have different scales."""
+
+    def __init__(self, qa: QParams, qb: QParams, qout: QParams, *, relu: bool, backend: Backend) -> None:
+        super().__init__(backend)
+        self.qa, self.qb, self.out_qp, self.relu = qa, qb, qout, relu
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.backend.add(a, b, self.qa, self.qb, self.out_qp, relu=self.relu)
+
+
+class QuantizedReLU(_BackendModule):
+    """ReLU on an int8 value: the output keeps the input's qparams."""
+
+    def __init__(self, qp: QParams, backend: Backend) -> None:
+        super().__init__(backend)
+        self.qp = qp
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return self.backend.relu(a, self.qp)
+
+
+class QuantizedAvgPool(_BackendModule):
+    """Average pooling (fixed or adaptive) on an int8 value: the output keeps the input's qparams."""
+
+    def __init__(self, qp: QParams, backend: Backend, *, dim: int, adaptive: bool, options: dict[str, Any]) -> None:
+        super().__init__(backend)
+        self.qp, self.dim, self.adaptive, self.options = qp, dim, adaptive, options
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        if self.adaptive:
+            return self.backend.adaptive_avg_pool(a, self.qp, self.options["output_size"])
+        return self.backend.avg_pool(a, self.qp, self.dim, self.options)
+
+
+QUANTIZED_CONV = {1: QuantizedConv1d, 2: QuantizedConv2d, 3: QuantizedConv3d}

@@ -1,0 +1,175 @@
+"""Lower a calibrated graph to INT8: observers become qparams, float Linear/Conv/add become INT8 modules.
+
+A value is int8 from the first quantized op to the last: ReLU, pooling and reshapes in between stay int8, a
+``Quantize`` node marks where a float value enters and a ``DeQuantize`` node where an int8 value reaches a float op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx, nn
+
+from fxquant.config import QuantConfig
+from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.nn.fused import Fused, add_relu, compute_module
+from fxquant.nn.quantized import (
+    QUANTIZED_CONV,
+    DeQuantize,
+    Quantize,
+    QuantizedAdd,
+    QuantizedAvgPool,
+    QuantizedLinear,
+    QuantizedReLU,
+)
+from fxquant.observers import Observer, get_weight_observer
+from fxquant.passes._graph import finish, modules_of, only_user, replace_submodule
+from fxquant.passes.value_ops import value_module_options
+from fxquant.patterns import OpKind, classify, tensor_input
+from fxquant.qparams import QParams, quantize
+
+_DROPPED = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Identity)
+
+
+@dataclass
+class _Lowering:
+    gm: fx.GraphModule
+    config: QuantConfig
+    backend: Backend
+    modules: dict[str, nn.Module]
+    qparams: dict[fx.Node, QParams] = field(default_factory=dict)
+    dequantized: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    count: int = 0
+
+    def add_module(self, prefix: str, module: nn.Module) -> str:
+        name = f"{prefix}_{self.count}"
+        self.count += 1
+        self.gm.add_submodule(name, module)
+        return name
+
+    def swap_to_module(self, node: fx.Node, prefix: str, module: nn.Module, args: tuple) -> fx.Node:
+        name = self.add_module(prefix, module)
+        with self.gm.graph.inserting_before(node):
+            new = self.gm.graph.call_module(name, args)
+        node.replace_all_uses_with(new)
+        self.gm.graph.erase_node(node)
+        return new
+
+
+def _observer(low: _Lowering, node: fx.Node | None) -> Observer | None:
+    if node is None or node.op != "call_module":
+        return None
+    module = low.modules.get(str(node.target))
+    return module if isinstance(module, Observer) else None
+
+
+def _feeds_grouped_conv(low: _Lowering, node: fx.Node) -> bool:
+    """Whether an int8 value reaches a grouped conv (through int8-preserving ops): fbgemm needs 7 bits there."""
+    for user in node.users:
+        kind = classify(user, low.modules)
+        if kind is OpKind.COMPUTE:
+            inner = compute_module(low.modules[str(user.target)])
+            if isinstance(inner, nn.modules.conv._ConvNd) and inner.groups > 1:
+                return True
+        elif kind in (OpKind.VALUE, OpKind.STRUCTURAL) and _feeds_grouped_conv(low, user):
+            return True
+    return False
+
+
+def _output_qparams(low: _Lowering, obs_node: fx.Node) -> QParams:
+    qrange = low.backend.activation_qrange(feeds_grouped_conv=_feeds_grouped_conv(low, obs_node))
+    observer = _observer(low, obs_node)
+    assert observer is not None
+    return observer.qparams(qrange)
+
+
+def _absorb_observer(low: _Lowering, node: fx.Node) -> tuple[fx.Node, QParams]:
+    """Remove the observer after ``node``; return it and the qparams the observer chose."""
+    obs_node = next(iter(node.users))
+    out_qp = _output_qparams(low, obs_node)
+    obs_node.replace_all_uses_with(node)
+    low.gm.graph.erase_node(obs_node)
+    return node, out_qp
+
+
+def _lower_compute(low: _Lowering, node: fx.Node) -> None:
+    path = str(node.target)
+    module = low.modules[path]
+    inner = compute_module(module)
+    assert inner is not None
+    in_qp = low.qparams[tensor_input(node)]  # type: ignore[index]
+    node, out_qp = _absorb_observer(low, node)
+    w_qp = get_weight_observer(low.config.settings_for(path).weight)().qparams(inner.weight)
+    relu = isinstance(module, Fused) and module.min_val == 0.0
+    parts = (quantize(inner.weight.detach(), w_qp), w_qp, inner.bias, (in_qp, out_qp))
+    if isinstance(inner, nn.Linear):
+        qmodule: nn.Module = QuantizedLinear(*parts, relu=relu, backend=low.backend)
+    else:
+        spec = ConvSpec(len(inner.kernel_size), tuple(inner.stride), tuple(inner.padding),  # type: ignore[arg-type]
+                        tuple(inner.dilation), inner.groups)
+        qmodule = QUANTIZED_CONV[spec.dim](spec, *parts, relu=relu, backend=low.backend)
+    replace_submodule(low.gm, path, qmodule)
+    low.qparams[node] = out_qp
+
+
+def _lower_binary(low: _Lowering, node: fx.Node) -> None:
+    a, b = node.args[:2]
+    qa, qb = low.qparams[a], low.qparams[b]  # type: ignore[index]
+    relu = node.target is add_relu
+    node, out_qp = _absorb_observer(low, node)
+    new = low.swap_to_module(node, "add", QuantizedAdd(qa, qb, out_qp, relu=relu, backend=low.backend), (a, b))
+    low.qparams[new] = out_qp
+
+
+def _lower_value(low: _Lowering, node: fx.Node, qp: QParams) -> None:
+    spec = value_module_options(node, low.modules)
+    if spec is None:  # a ReLU
+        new = low.swap_to_module(node, "relu", QuantizedReLU(qp, low.backend), (tensor_input(node),))
+    else:
+        dim, adaptive, options = spec
+        module = QuantizedAvgPool(qp, low.backend, dim=dim, adaptive=adaptive, options=options)
+        new = low.swap_to_module(node, "avg_pool", module, (tensor_input(node),))
+    low.qparams[new] = qp
+
+
+def _dequantize_inputs(low: _Lowering, node: fx.Node) -> None:
+    for value in list(node.all_input_nodes):
+        if value not in low.qparams:
+            continue
+        if value not in low.dequantized:
+            name = low.add_module("dequantize", DeQuantize(low.qparams[value], low.backend))
+            with low.gm.graph.inserting_after(value):
+                low.dequantized[value] = low.gm.graph.call_module(name, (value,))
+        node.replace_input_with(value, low.dequantized[value])
+
+
+def _lower_node(low: _Lowering, node: fx.Node) -> None:
+    kind = classify(node, low.modules)
+    source = tensor_input(node)
+    observed = _observer(low, only_user(node)) is not None
+    if _observer(low, node) is not None:  # an observer no producer absorbed: a float value entering int8
+        qp = _output_qparams(low, node)
+        low.qparams[low.swap_to_module(node, "quantize", Quantize(qp, low.backend), (source,))] = qp
+    elif kind is OpKind.COMPUTE and observed and source in low.qparams:
+        _lower_compute(low, node)
+    elif kind is OpKind.BINARY and observed and all(a in low.qparams for a in node.args[:2]):
+        _lower_binary(low, node)
+    elif kind is OpKind.STRUCTURAL and node.op == "call_module" and isinstance(
+            low.modules[str(node.target)], _DROPPED):
+        node.replace_all_uses_with(source)  # type: ignore[arg-type]
+        low.gm.graph.erase_node(node)
+    elif kind is OpKind.VALUE and source in low.qparams:
+        _lower_value(low, node, low.qparams[source])
+    elif kind is OpKind.STRUCTURAL and source in low.qparams:
+        low.qparams[node] = low.qparams[source]
+    elif kind is not OpKind.META:
+        _dequantize_inputs(low, node)
+
+
+def lower_to_int8(gm: fx.GraphModule, config: QuantConfig, backend: Backend) -> fx.GraphModule:
+    """Rewrite a calibrated prepared graph (in place) into an INT8 graph running on ``backend``."""
+    low = _Lowering(gm, config, backend, modules_of(gm))
+    for node in list(gm.graph.nodes):
+        if not getattr(node, "_erased", False):  # observers absorbed by their producer are already gone
+            _lower_node(low, node)
+    return finish(gm)

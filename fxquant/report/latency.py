@@ -1,0 +1,77 @@
+"""Side-by-side latency: models measured interleaved in one run, so their ratio survives a noisy machine."""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class LatencyStats:
+    """Milliseconds per call."""
+
+    median: float
+    p90: float
+    min: float
+    max: float
+    runs: int
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {"median": self.median, "p90": self.p90, "min": self.min, "max": self.max, "runs": self.runs}
+
+
+@contextlib.contextmanager
+def num_threads(threads: int | None) -> Iterator[None]:
+    """Fix torch's intra-op thread count for the block (None keeps the current setting)."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _stats(samples: Sequence[float]) -> LatencyStats:
+    ordered = sorted(samples)
+    p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+    return LatencyStats(statistics.median(ordered), p90, ordered[0], ordered[-1], len(ordered))
+
+
+def _converged(samples: Sequence[float], rel_ci: float) -> bool:
+    """Whether the 95% confidence half-width of the mean is below ``rel_ci`` of the median."""
+    if len(samples) < 5:
+        return False
+    half_width = 1.96 * statistics.stdev(samples) / len(samples) ** 0.5
+    return half_width <= rel_ci * statistics.median(samples)
+
+
+def measure_latency(fns: dict[str, Callable[[], Any]], *, warmup: int = 3, min_runs: int = 5, max_runs: int = 200,
+                    time_budget_s: float = 10.0, rel_ci: float = 0.02,
+                    threads: int | None = None) -> dict[str, LatencyStats]:
+    """Time each zero-argument callable in ``fns``, interleaved round by round, under ``torch.inference_mode``.
+
+    Stops when every callable's mean is known within ``rel_ci`` (95% confidence) after ``min_runs`` rounds, after
+    ``max_runs`` rounds, or when ``time_budget_s`` is spent, whichever is first.
+    """
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    with num_threads(threads), torch.inference_mode():
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn()
+        deadline = time.perf_counter() + time_budget_s
+        for round_ in range(max_runs):
+            for name, fn in fns.items():
+                start = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - start) * 1e3)
+            enough = round_ + 1 >= min_runs and all(_converged(s, rel_ci) for s in samples.values())
+            if enough or time.perf_counter() > deadline:
+                break
+    return {name: _stats(s) for name, s in samples.items()}

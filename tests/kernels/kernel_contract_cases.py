@@ -1,0 +1,121 @@
+"""Shared builders for the kernel contract tests: random int8 layers, their qparams, and an LSB distance.
+
+Every case is built from integers first (activations, weights) and turned into floats by dequantizing them, so every
+backend receives exactly the same integers whatever its activation representation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
+from fxquant.qparams import INT8_RANGE, QParams, affine_qparams, dequantize, fake_quantize
+
+FLOAT_CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@dataclass(frozen=True)
+class ConvCase:
+    """One convolution to run: geometry plus the knobs hypothesis varies."""
+
+    spec: ConvSpec
+    batch: int
+    in_channels: int
+    out_channels: int
+    kernel: tuple[int, ...]
+    size: tuple[int, ...]
+    per_channel: bool
+    bias: bool
+    relu: bool
+
+
+@dataclass(frozen=True)
+class Layer:
+    """Integer inputs of one layer and the qparams they are read with; ``x``/``w`` are their float values."""
+
+    q_x: torch.Tensor
+    in_qp: QParams
+    q_w: torch.Tensor
+    w_qp: QParams
+    bias: torch.Tensor | None
+
+    @property
+    def x(self) -> torch.Tensor:
+        return dequantize(self.q_x, self.in_qp)
+
+    @property
+    def w(self) -> torch.Tensor:
+        return dequantize(self.q_w, self.w_qp)
+
+
+def activation(shape: tuple[int, ...], qrange: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, QParams]:
+    """Random integers over the whole of ``qrange`` with a zero point inside it, as uint8."""
+    qmin, qmax = qrange
+    zero_point = int(torch.randint(qmin, qmax + 1, (), generator=gen))
+    scale = torch.tensor(0.01 + 0.05 * float(torch.rand((), generator=gen)))
+    q = torch.randint(qmin, qmax + 1, shape, generator=gen, dtype=torch.int64).to(torch.uint8)
+    return q, QParams(scale, torch.tensor(zero_point), qmin, qmax)
+
+
+def weight(shape: tuple[int, ...], per_channel: bool, gen: torch.Generator) -> tuple[torch.Tensor, QParams]:
+    """Random symmetric int8 weights (full [-128, 127]) with per-tensor or per-output-channel scales."""
+    q = torch.randint(INT8_RANGE[0], INT8_RANGE[1] + 1, shape, generator=gen, dtype=torch.int64).to(torch.int8)
+    n = shape[0] if per_channel else 1
+    scale = 0.002 + 0.01 * torch.rand(n, generator=gen)
+    scale = scale if per_channel else scale[0]
+    return q, QParams(scale, torch.zeros(scale.shape, dtype=torch.int64), *INT8_RANGE, 0 if per_channel else None)
+
+
+def make_layer(x_shape: tuple[int, ...], w_shape: tuple[int, ...], *, qrange: tuple[int, int], per_channel: bool,
+               bias: bool, seed: int) -> Layer:
+    gen = torch.Generator().manual_seed(seed)
+    q_x, in_qp = activation(x_shape, qrange, gen)
+    q_w, w_qp = weight(w_shape, per_channel, gen)
+    b = torch.randn(w_shape[0], generator=gen) if bias else None
+    return Layer(q_x, in_qp, q_w, w_qp, b)
+
+
+def conv_layer(case: ConvCase, qrange: tuple[int, int], seed: int) -> Layer:
+    x_shape = (case.batch, case.in_channels, *case.size)
+    w_shape = (case.out_channels, case.in_channels // case.spec.groups, *case.kernel)
+    return make_layer(x_shape, w_shape, qrange=qrange, per_channel=case.per_channel, bias=case.bias, seed=seed)
+
+
+def float_conv(layer: Layer, spec: ConvSpec) -> torch.Tensor:
+    """The convolution of the dequantized input with the dequantized weights, in float64."""
+    b = None if layer.bias is None else layer.bias.double()
+    return FLOAT_CONVS[spec.dim](layer.x.double(), layer.w.double(), b, spec.stride, spec.padding, spec.dilation,
+                                 spec.groups)
+
+
+def output_qparams(y: torch.Tensor) -> QParams:
+    """uint8 qparams spanning ``y`` (what a calibrated observer would pick)."""
+    return affine_qparams(y.min().float(), y.max().float())
+
+
+def fake_quantized(y: torch.Tensor, qp: QParams, *, relu: bool) -> torch.Tensor:
+    return fake_quantize(torch.relu(y) if relu else y, qp)
+
+
+def steps(a: torch.Tensor, b: torch.Tensor, qp: QParams) -> int:
+    """Largest distance between two dequantized tensors on ``qp``'s grid, in output steps (LSB)."""
+    if a.numel() == 0:
+        return 0
+    scale = float(qp.scale)
+    return int((torch.round(a.double() / scale) - torch.round(b.double() / scale)).abs().max())
+
+
+def run_conv(backend: Backend, layer: Layer, spec: ConvSpec, out_qp: QParams, *, relu: bool) -> torch.Tensor:
+    """Prepack, convolve and dequantize on ``backend``."""
+    packed = backend.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+    out = backend.conv(backend.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=relu)
+    return backend.dequantize(out, out_qp)
+
+
+def run_linear(backend: Backend, layer: Layer, out_qp: QParams, *, relu: bool) -> torch.Tensor:
+    packed: PackedWeight = backend.prepack_linear(layer.q_w, layer.w_qp, layer.bias)
+    out = backend.linear(backend.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=relu)
+    return backend.dequantize(out, out_qp)

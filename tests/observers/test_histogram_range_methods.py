@@ -1,0 +1,198 @@
+"""Each histogram range method against an independent reference computed here from the raw data."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxquant.observers import EntropyObserver, Observer, get_activation_observer
+from fxquant.observers.entropy import kl_divergences
+from fxquant.observers.hist_math import Histogram, expected_sq_error, fold_abs, grid_for, quantile, rebin
+from fxquant.qparams import affine_qparams, fake_quantize
+
+PROPERTY = settings(max_examples=25, deadline=None)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> object:
+    """Histograms are small tensors: on a busy machine OpenMP's thread hand-offs cost more than the work."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def sample(kind: str, n: int = 20_000, seed: int = 0) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    data = {
+        "normal": rng.normal(size=n),
+        "relu": np.maximum(rng.normal(size=n), 0.0),
+        "laplace": rng.laplace(size=n) * 3.0 + 1.0,
+        "uniform": rng.uniform(0.5, 4.0, size=n),
+        "skewed": rng.exponential(size=n) - 0.3,
+    }[kind]
+    return torch.from_numpy(data.astype(np.float32))
+
+
+def with_outliers(data: torch.Tensor, count: int = 4, *, one_sided: bool = False, seed: int = 1) -> torch.Tensor:
+    """``data`` with ``count`` values replaced by 100x its largest magnitude (alternating signs unless one-sided)."""
+    out = data.clone()
+    index = torch.from_numpy(np.random.default_rng(seed).choice(data.numel(), count, replace=False))
+    signs = torch.ones(count) if one_sided else torch.tensor([1.0, -1.0] * count)[:count]
+    out[index] = float(data.abs().max()) * 100.0 * signs
+    return out
+
+
+def observe(name: str, data: torch.Tensor, **options: object) -> Observer:
+    obs = get_activation_observer(name)(**options)
+    for batch in data.split(5000):
+        obs(batch)
+    return obs
+
+
+def fake_quant_mse(data: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> float:
+    """The brute-force reference: mean squared error of fake-quantizing the raw data with range ``[lo, hi]``."""
+    return float((fake_quantize(data, affine_qparams(lo, hi)) - data).double().pow(2).mean())
+
+
+@pytest.mark.parametrize("kind", ["normal", "relu", "laplace", "uniform", "skewed"])
+@pytest.mark.parametrize("percentile", [90.0, 99.0, 99.9, 99.99])
+def test_percentile_matches_numpy_within_a_bin(kind: str, percentile: float) -> None:
+    data = sample(kind)
+    obs = observe("percentile", data, percentile=percentile, bins=1024)
+    lo, hi = obs.range()
+    values = np.sort(data.numpy().astype(np.float64))
+    for got, q in ((float(lo), 100.0 - percentile), (float(hi), percentile)):
+        rank = q / 100.0 * (values.size - 1)  # numpy's rank; ours may sit one order statistic away
+        near = values[max(int(rank) - 1, 0) : int(rank) + 3]
+        tolerance = float(obs.hist_width) + float(near[-1] - near[0])
+        expected = float(np.percentile(values, q))
+        assert abs(got - expected) <= tolerance, f"p{q}: {got:.6g} vs numpy {expected:.6g}, tol {tolerance:.3g}"
+
+
+@pytest.mark.parametrize("name", ["histogram", "mse"])
+@pytest.mark.parametrize("kind", ["normal", "relu", "laplace", "uniform", "skewed"])
+@pytest.mark.parametrize("outliers", [0, 4])
+def test_l2_methods_are_not_worse_than_minmax_on_raw_data(name: str, kind: str, outliers: int) -> None:
+    data = with_outliers(sample(kind), outliers) if outliers else sample(kind)
+    chosen = fake_quant_mse(data, *observe(name, data).range())
+    minmax = fake_quant_mse(data, *observe("minmax", data).range())
+    assert chosen <= minmax * 1.01 + 1e-12, f"{name}: MSE {chosen:.4g} vs minmax {minmax:.4g}"
+
+
+@pytest.mark.parametrize("name", ["entropy", "percentile", "mse"])
+@pytest.mark.parametrize("kind", ["normal", "relu", "laplace"])
+def test_planted_outliers_hurt_the_bulk_less_than_with_minmax(name: str, kind: str) -> None:
+    bulk = sample(kind, n=50_000)
+    data = torch.cat([bulk, with_outliers(bulk[:3], count=3, one_sided=kind == "relu")])
+    chosen = fake_quant_mse(bulk, *observe(name, data).range())
+    minmax = fake_quant_mse(bulk, *observe("minmax", data).range())
+    assert chosen < minmax, f"{name}: bulk MSE {chosen:.4g} is not below minmax's {minmax:.4g}"
+
+
+@pytest.mark.parametrize("kind", ["normal", "relu"])
+def test_entropy_clips_below_planted_outliers(kind: str) -> None:
+    data = with_outliers(sample(kind), count=4, one_sided=kind == "relu")
+    lo, hi = observe("entropy", data).range()
+    assert float(hi) < 0.5 * float(data.max()), f"entropy kept hi={float(hi):.4g}, outlier max {float(data.max()):.4g}"
+    if kind == "relu":
+        assert float(lo) == 0.0  # one-sided: only the top is clipped
+    else:
+        assert float(lo) == -float(hi), f"two-sided data should get a symmetric range, got ({lo}, {hi})"
+
+
+def test_entropy_on_one_sided_data_keeps_the_minimum() -> None:
+    data = with_outliers(sample("uniform"), count=2, one_sided=True)
+    lo, _ = observe("entropy", data).range()
+    assert float(lo) == float(data.min())
+
+
+def naive_kl(counts: np.ndarray, levels: int, threshold: int) -> float:
+    """TensorRT's KL calibration step written as a plain loop, following its description."""
+    p = counts[:threshold].astype(np.float64).copy()
+    p[-1] += counts[threshold:].sum()
+    q = np.zeros(threshold)
+    for level in range(levels):
+        members = [j for j in range(threshold) if j * levels // threshold == level]
+        nonempty = [j for j in members if counts[j] > 0]
+        for j in nonempty:
+            q[j] = counts[members].sum() / len(nonempty)
+    p, q = p / p.sum(), q / q.sum()
+    q[(p > 0) & (q == 0)] = 1e-4
+    return float(sum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True) if pi > 0))
+
+
+@pytest.mark.parametrize("levels", [128, 255])
+def test_kl_divergences_match_a_naive_loop(levels: int) -> None:
+    rng = np.random.default_rng(3)
+    counts = np.histogram(np.abs(rng.standard_t(3, size=20_000)), bins=600)[0].astype(np.float64)
+    counts[rng.choice(600, 50, replace=False)] = 0.0  # empty bins inside the range exercise the expansion rule
+    thresholds = torch.tensor([levels, levels + 1, 301, 457, 600])
+    got = kl_divergences(torch.from_numpy(counts), levels, thresholds)
+    for value, t in zip(got.tolist(), thresholds.tolist(), strict=True):
+        reference = naive_kl(counts, levels, t)
+        assert value == pytest.approx(reference, rel=1e-9, abs=1e-12), f"threshold {t}: {value} vs {reference}"
+
+
+@pytest.mark.parametrize("kind", ["normal", "relu", "uniform"])
+def test_expected_error_matches_brute_force_fake_quantization(kind: str) -> None:
+    data = with_outliers(sample(kind, n=100_000), count=2)
+    hist = observe("histogram", data).stored_histogram()
+    lo = torch.tensor([float(data.min()), -1.0, -3.0, 0.0], dtype=torch.float64)
+    hi = torch.tensor([float(data.max()), 1.0, 2.5, 0.5], dtype=torch.float64)
+    model = expected_sq_error(hist, lo, hi)
+    for value, a, b in zip(model.tolist(), lo, hi, strict=True):
+        brute = fake_quant_mse(data, a.float(), b.float())
+        assert value == pytest.approx(brute, rel=0.25), f"range ({a:.3g}, {b:.3g}): model {value:.4g} vs {brute:.4g}"
+
+
+@PROPERTY
+@given(lo=st.floats(-1e6, 1e6), span=st.floats(0.0, 1e6), grow=st.floats(0.0, 1e6), bins=st.sampled_from([16, 2048]))
+def test_grid_covers_the_range_and_only_coarsens_as_it_grows(lo: float, span: float, grow: float, bins: int) -> None:
+    start, width = grid_for(lo, lo + span, bins)
+    assert start <= lo and start + bins * width >= lo + span
+    assert math.log2(width).is_integer() and (start / width).is_integer()
+    start2, width2 = grid_for(lo - grow, lo + span, bins)
+    assert width2 >= width and (start - start2) / width >= 0
+
+
+def test_rebin_merges_whole_bins_exactly() -> None:
+    data = sample("laplace")
+    start, width = grid_for(float(data.min()), float(data.max()), 512)
+    fine = Histogram(torch.histc(data, 512, start, start + 512 * width).double(), start, width)
+    wide_start, wide_width = grid_for(-1000.0, float(data.max()), 512)
+    coarse = rebin(fine, wide_start, wide_width, 512)
+    direct = torch.histc(data, 512, wide_start, wide_start + 512 * wide_width).double()
+    assert torch.equal(coarse, direct)
+
+
+def test_fold_abs_is_the_histogram_of_the_magnitudes() -> None:
+    data = sample("skewed")
+    hist = observe("histogram", data, bins=256).stored_histogram()
+    folded = fold_abs(hist)
+    top = folded.width * folded.bins
+    direct = torch.histc(data.abs(), folded.bins, 0.0, top).double()
+    assert torch.equal(folded.counts, direct)
+
+
+def test_quantile_of_an_explicit_histogram() -> None:
+    hist = Histogram(torch.tensor([0.0, 2.0, 0.0, 2.0], dtype=torch.float64), start=-2.0, width=1.0)
+    values = quantile(hist, torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64))
+    assert values.tolist() == pytest.approx([-1.0, -0.5, 0.0, 1.5, 2.0])
+
+
+@pytest.mark.parametrize("name", ["histogram", "percentile", "entropy", "mse"])
+def test_range_stays_inside_the_observed_range(name: str) -> None:
+    data = sample("skewed") * 7.0
+    lo, hi = observe(name, data).range()
+    assert float(data.min()) <= float(lo) <= float(hi) <= float(data.max()), (float(lo), float(hi))
+
+
+def test_entropy_of_unobserved_observer_falls_back_to_the_empty_range() -> None:
+    lo, hi = EntropyObserver().range()
+    assert float(lo) == math.inf and float(hi) == -math.inf
