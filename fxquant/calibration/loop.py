@@ -88,6 +88,9 @@ def calibrate(prepared: fx.GraphModule, data: Iterable[Any] | torch.Tensor, *, n
                                                 file=sys.stderr, disable=not progress, leave=False) as bar:
         for index, batch in enumerate(bar):
             args, kwargs = to_call_args(batch, params)
+            if any(isinstance(v, torch.Tensor) and v.numel() == 0 for v in (*args, *kwargs.values())):
+                raise InputError(f"calibration batch {index} is empty (a tensor with 0 elements); drop empty "
+                                 "batches from the data")
             if not _finite(args, kwargs):
                 if not skip_nonfinite:
                     raise CalibrationError(f"calibration batch {index} contains NaN or Inf values; clean the data "

@@ -17,9 +17,13 @@ What does not work, measured with torch 2.13 (see ``tests/kernels/test_onednn_pi
 * conv3d gives wrong results (whole output rows off by up to 255 steps) for common geometries such as a 2x2x2
   kernel with stride (1, 1, 2), can crash the process on small inputs, and has no ReLU post-op. It raises
   :class:`BackendUnavailableError`; 1d (run as 2d by the op) and 2d are fine.
-* When padding reaches past the dilated kernel (some outputs see only padding), depthwise convs with a channel
-  multiplier come out wrong and tiny inputs can crash. Such convs are padded explicitly with the input zero point
-  and run unpadded: the same convolution, one copy slower; real networks rarely pad that much.
+* When some output reads padding only (padding past the dilated kernel, or an input smaller than the dilation gaps),
+  depthwise convs with a channel multiplier come out wrong and grouped convs on tiny inputs can crash the process.
+  Those inputs are padded explicitly with the zero point and run unpadded: the same convolution, one copy slower;
+  real networks rarely pad that much.
+* A conv strided along the width whose output is one column wide (and at least five rows high) comes out wrong.
+  The input gets ``stride`` more zero-point columns on the right, which adds a second output column that is
+  dropped; the first column sees the same inputs, so it is the same convolution.
 
 With VNNI/AMX, u8*s8 products accumulate in int32 and activations use the full 8-bit range (measured exact here,
 including the depthwise case where fbgemm saturates). Without VNNI, pairs of u8*s8 products are summed in 16 bits
@@ -29,7 +33,8 @@ to 7 bits there, as for fbgemm.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,8 +60,7 @@ class OnednnWeight:
     zero_point: torch.Tensor
     bias: torch.Tensor | None
     spec: ConvSpec | None = None
-    # F.pad-style padding (last dim first) applied with the input zero point before an unpadded conv.
-    explicit_padding: tuple[int, ...] = ()
+    kernel: tuple[int, ...] = ()
 
 
 def _schema_is_verified(op: Any) -> bool:
@@ -64,19 +68,37 @@ def _schema_is_verified(op: Any) -> bool:
     return {"output_scale", "output_dtype"} <= names
 
 
-def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
-                   packed: torch.Tensor) -> OnednnWeight:
+def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, packed: torch.Tensor,
+                   spec: ConvSpec | None = None) -> OnednnWeight:
     scale = weight_scale(w_qp, weight).contiguous()
     float_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    return OnednnWeight(packed, scale, torch.zeros(scale.shape, dtype=torch.int64), float_bias)
+    zero_point = torch.zeros(scale.shape, dtype=torch.int64)
+    return OnednnWeight(packed, scale, zero_point, float_bias, spec, tuple(weight.shape[2:]))
 
 
-def _padding_past_kernel(spec: ConvSpec, weight: torch.Tensor) -> tuple[int, ...]:
-    """F.pad padding for convs whose padding reaches past the dilated kernel in some dim, else ()."""
-    extents = [d * (k - 1) + 1 for d, k in zip(spec.dilation, weight.shape[2:], strict=True)]
-    if all(p < e for p, e in zip(spec.padding, extents, strict=True)):
-        return ()
-    return tuple(p for pad in reversed(spec.padding) for p in (pad, pad))
+@functools.lru_cache(maxsize=4096)
+def _sees_only_padding(size: int, kernel: int, stride: int, padding: int, dilation: int) -> bool:
+    """Whether some output position of this 1-d conv geometry reads padding only."""
+    count = (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+    return any(
+        all(not 0 <= o * stride - padding + j * dilation < size for j in range(kernel)) for o in range(count)
+    )
+
+
+def _safe_input(a: torch.Tensor, w: OnednnWeight, zero_point: int) -> tuple[torch.Tensor, list[int], bool]:
+    """The input, padding and "drop the extra column" flag that steer clear of the bugs in the module doc."""
+    assert w.spec is not None, "conv() got weights packed by prepack_linear()"
+    spec = w.spec
+    padding = list(spec.padding)
+    geometry = zip(a.shape[2:], w.kernel, spec.stride, spec.padding, spec.dilation, strict=True)
+    if any(_sees_only_padding(*dims) for dims in geometry):
+        a = F.pad(a, [p for pad in reversed(padding) for p in (pad, pad)], value=zero_point)
+        padding = [0] * spec.dim
+    stride, extent = spec.stride[-1], spec.dilation[-1] * (w.kernel[-1] - 1) + 1
+    one_column = stride > 1 and (a.shape[-1] + 2 * padding[-1] - extent) // stride == 0
+    if one_column:
+        a = F.pad(a, (0, stride), value=zero_point)
+    return a, padding, one_column
 
 
 def _within(out: torch.Tensor, qp: QParams) -> torch.Tensor:
@@ -127,29 +149,24 @@ class OnednnBackend(PlainInt8Backend):
                 "int8 conv3d gives wrong results for common geometries; use the 'fbgemm' or 'reference' backend, "
                 "or exclude the Conv3d layers from quantization"
             )
-        explicit_padding = _padding_past_kernel(spec, weight)
-        if explicit_padding:
-            spec = replace(spec, padding=(0,) * spec.dim)
         x_scale, x_zp = in_qp.scalar()
         packed = torch.ops.onednn.qconv_prepack(
             weight.contiguous(), weight_scale(w_qp, weight), x_scale, x_zp, list(spec.stride), list(spec.padding),
             list(spec.dilation), spec.groups, None,
         )
-        w = replace(_onednn_weight(weight, w_qp, bias, packed), spec=spec, explicit_padding=explicit_padding)
-        return PackedWeight(self.name, w)
+        return PackedWeight(self.name, _onednn_weight(weight, w_qp, bias, packed, spec))
 
     def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
              relu: bool) -> torch.Tensor:
         w: OnednnWeight = packed.payload
-        assert w.spec is not None, "conv() got weights packed by prepack_linear()"
-        spec = w.spec
-        if w.explicit_padding:
-            a = F.pad(a, w.explicit_padding, value=int(in_qp.zero_point))
-        if spec.dim == 2:
-            a = a.contiguous(memory_format=torch.channels_last)
         (x_scale, x_zp), (out_scale, out_zp) = in_qp.scalar(), out_qp.scalar()
+        a, padding, one_column = _safe_input(a, w, x_zp)
+        if a.dim() == 4:
+            a = a.contiguous(memory_format=torch.channels_last)
+        spec = w.spec
+        assert spec is not None
         out = torch.ops.onednn.qconv_pointwise(
-            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, list(spec.stride), list(spec.padding),
+            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, list(spec.stride), padding,
             list(spec.dilation), spec.groups, out_scale, out_zp, torch.uint8, "relu" if relu else "none", [], "",
         )
-        return _within(out, out_qp)
+        return _within(out[..., :1] if one_column else out, out_qp)

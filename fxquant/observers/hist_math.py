@@ -5,7 +5,7 @@ data range ``[lo, hi]`` the grid is *canonical*: the narrowest power-of-two widt
 (see :func:`grid_for`). Two consequences make histograms cheap to keep and to combine:
 
 * growing the range never re-reads data: every old bin lies inside exactly one new bin, so re-binning is an exact
-  ``index_add`` (:func:`rebin`) and at least half of the bins stay in use;
+  ``index_add`` (:func:`rebin`), and more than half of the bins still cover the data (unless it is near-constant);
 * the final histogram depends only on the data, not on batch order or on how the data was split across shards.
 
 The range methods (L2, percentile, entropy, MSE) read the same histogram through :func:`quantile`,
@@ -26,6 +26,7 @@ from fxquant.qparams import UINT8_RANGE, affine_qparams
 _FLOOR_BITS = 20
 _MIN_EXPONENT = -100  # the grid of an all-zero tensor
 _CHUNK = 128  # candidate ranges evaluated per batch in expected_sq_error: bounds the temporary memory
+_INT16_BINS = 32767
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,21 @@ def grid_for(lo: float, hi: float, bins: int, min_width: float = 0.0) -> tuple[f
         if start + bins * width >= hi:
             return start, width
         exponent += 1
+
+
+def count(x: torch.Tensor, start: float, width: float, bins: int) -> torch.Tensor:
+    """Per-bin counts (float64) of ``x``, whose values all lie on the grid ``(start, width, bins)``.
+
+    ``torch.histc`` is parallel but costs ~3 ns per element per thread; on one or two threads, a bin index from two
+    vectorised ops plus ``torch.bincount`` is ~1.6x faster. Both compute ``floor((x - start) / width)`` exactly
+    (``width`` is a power of two), so the choice never changes the result.
+    """
+    if torch.get_num_threads() > 2 or bins > _INT16_BINS or x.device.type != "cpu":
+        return torch.histc(x, bins, min=start, max=start + bins * width).double()
+    index = torch.sub(x.reshape(-1), start).mul_(1.0 / width).to(torch.int16)  # truncation == floor: index >= 0
+    counts = torch.bincount(index, minlength=bins + 1).double()
+    counts[bins - 1] += counts[bins:].sum()  # the top edge itself belongs to the last bin, as in histc
+    return counts[:bins]
 
 
 def rebin(hist: Histogram, start: float, width: float, bins: int) -> torch.Tensor:
@@ -97,7 +113,8 @@ def quantile(hist: Histogram, q: torch.Tensor) -> torch.Tensor:
 def fold_abs(hist: Histogram) -> Histogram:
     """The histogram of ``|x|`` on ``[0, n * width)``, merging bins in pairs until ``n <= hist.bins``.
 
-    Exact because 0 is always a grid edge: bin ``[k w, (k+1) w)`` with ``k < 0`` folds onto ``[(-k-1) w, -k w)``.
+    Exact because 0 is always a grid edge: bin ``[k w, (k+1) w)`` with ``k < 0`` folds onto ``[(-k-1) w, -k w)``
+    (a negative value lying exactly on an edge thus lands one bin below its magnitude: immaterial for a range).
     """
     nonzero = hist.counts > 0
     k = round(hist.start / hist.width) + torch.arange(hist.bins)
@@ -110,7 +127,9 @@ def fold_abs(hist: Histogram) -> Histogram:
     return Histogram(out, 0.0, hist.width * factor)
 
 
-def _error_antiderivative(x: torch.Tensor, step: torch.Tensor, zero_point: torch.Tensor, qrange: tuple[int, int]):
+def _error_antiderivative(
+    x: torch.Tensor, step: torch.Tensor, zero_point: torch.Tensor, qrange: tuple[int, int]
+) -> torch.Tensor:
     """Antiderivative of the squared fake-quantization error ``(t - fq(t))**2``, continuous over the real line.
 
     Inside the rounding region the error is periodic with period ``step`` (each full cell integrates to

@@ -8,7 +8,8 @@ Memory bound, per observer, whatever the dataset size: ``bins * 8`` bytes (float
 2048 bins) plus two float64 scalars for the grid (``hist_start``, ``hist_width``) and the four scalars every
 observer keeps (``min_val``, ``max_val``, ``num_updates``, ``num_elements``).
 
-Cost per update: one ``torch.histc`` over the batch (on top of the ``aminmax`` every observer does). When a batch
+Cost per update: one counting pass over the batch (``torch.histc``, or ``torch.bincount`` on one or two threads), on
+top of the ``aminmax`` every observer does. When a batch
 extends the range, the grid width doubles as often as needed and old bins are merged exactly into the new ones
 (:mod:`fxquant.observers.hist_math`): no Python loop over bins, no sort, no re-read of earlier data.
 
@@ -27,7 +28,7 @@ import torch
 
 from fxquant.errors import ConfigError
 from fxquant.observers.base import Observer
-from fxquant.observers.hist_math import Histogram, best_range, grid_for, quantile, rebin
+from fxquant.observers.hist_math import Histogram, best_range, count, grid_for, quantile, rebin
 from fxquant.observers.registry import register_observer
 
 MIN_BINS = 16
@@ -82,7 +83,7 @@ class HistogramObserverBase(Observer):
     def _update(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         start, width = self._grow(*self._covering(float(lo), float(hi)))
         data = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        self.histogram += torch.histc(data, self.bins, min=start, max=start + self.bins * width)
+        self.histogram += count(data, start, width, self.bins)
 
     @torch.no_grad()
     def add_histogram(self, hist: Histogram, lo: float, hi: float) -> None:

@@ -28,8 +28,9 @@ def switch_method(observer: Observer, name: str, **options: Any) -> Observer:
 
     Example::
 
-        calibrated = model.observers["conv1"]          # a HistogramObserver after calibration
-        clipped = switch_method(calibrated, "percentile", percentile=99.9)
+        observer = HistogramObserver()
+        observer(torch.randn(10_000))  # calibration
+        clipped = switch_method(observer, "percentile", percentile=99.9)
     """
     target = get_activation_observer(name)
     if issubclass(target, HistogramObserverBase) and isinstance(observer, HistogramObserverBase):

@@ -45,10 +45,15 @@ def _observe_output(state: _State, node: fx.Node, settings: LayerSettings, label
     state.int8.add(obs)
 
 
+def _where(node: fx.Node) -> str:
+    """A module path for module calls (what users and configs name), the node name otherwise."""
+    return str(node.target) if node.op == "call_module" else node.name
+
+
 def _observe_input(state: _State, consumer: fx.Node, value: fx.Node, settings: LayerSettings) -> None:
     """Route ``consumer``'s read of float ``value`` through an observer (shared by all int8 consumers)."""
     if value not in state.input_observers:
-        name = _new_observer(state, settings, f"{value.name} (input of {consumer.name})")
+        name = _new_observer(state, settings, f"{_where(value)} (input of {_where(consumer)})")
         with state.gm.graph.inserting_before(consumer):
             state.input_observers[value] = state.gm.graph.call_module(name, (value,))
         state.int8.add(state.input_observers[value])

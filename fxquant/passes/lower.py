@@ -37,6 +37,7 @@ class _Lowering:
     config: QuantConfig
     backend: Backend
     modules: dict[str, nn.Module]
+    activation_qparams: dict[str, QParams]
     qparams: dict[fx.Node, QParams] = field(default_factory=dict)
     dequantized: dict[fx.Node, fx.Node] = field(default_factory=dict)
     count: int = 0
@@ -63,24 +64,37 @@ def _observer(low: _Lowering, node: fx.Node | None) -> Observer | None:
     return module if isinstance(module, Observer) else None
 
 
-def _feeds_grouped_conv(low: _Lowering, node: fx.Node) -> bool:
+def _feeds_grouped_conv(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     """Whether an int8 value reaches a grouped conv (through int8-preserving ops): fbgemm needs 7 bits there."""
     for user in node.users:
-        kind = classify(user, low.modules)
+        kind = classify(user, modules)
         if kind is OpKind.COMPUTE:
-            inner = compute_module(low.modules[str(user.target)])
+            inner = compute_module(modules[str(user.target)])
             if isinstance(inner, nn.modules.conv._ConvNd) and inner.groups > 1:
                 return True
-        elif kind in (OpKind.VALUE, OpKind.STRUCTURAL) and _feeds_grouped_conv(low, user):
+        elif kind in (OpKind.VALUE, OpKind.STRUCTURAL) and _feeds_grouped_conv(user, modules):
             return True
     return False
 
 
+def observer_qparams(gm: fx.GraphModule, backend: Backend) -> dict[str, QParams]:
+    """The activation qparams each observer of a calibrated graph gives on ``backend`` (by observer name).
+
+    The integer range depends on the backend and on what consumes the value, so it is decided here, once, for
+    both lowering and the fake-quant simulation that tests compare against.
+    """
+    modules = modules_of(gm)
+    result = {}
+    for node in gm.graph.nodes:
+        observer = modules.get(str(node.target)) if node.op == "call_module" else None
+        if isinstance(observer, Observer):
+            grouped = _feeds_grouped_conv(node, modules)
+            result[str(node.target)] = observer.qparams(backend.activation_qrange(feeds_grouped_conv=grouped))
+    return result
+
+
 def _output_qparams(low: _Lowering, obs_node: fx.Node) -> QParams:
-    qrange = low.backend.activation_qrange(feeds_grouped_conv=_feeds_grouped_conv(low, obs_node))
-    observer = _observer(low, obs_node)
-    assert observer is not None
-    return observer.qparams(qrange)
+    return low.activation_qparams[str(obs_node.target)]
 
 
 def _absorb_observer(low: _Lowering, node: fx.Node) -> tuple[fx.Node, QParams]:
@@ -92,6 +106,11 @@ def _absorb_observer(low: _Lowering, node: fx.Node) -> tuple[fx.Node, QParams]:
     return node, out_qp
 
 
+def weight_qparams(config: QuantConfig, path: str, layer: nn.Module) -> QParams:
+    """Symmetric int8 qparams of ``layer``'s weight with the weight observer the config gives ``path``."""
+    return get_weight_observer(config.settings_for(path).weight)().qparams(layer.weight)
+
+
 def _lower_compute(low: _Lowering, node: fx.Node) -> None:
     path = str(node.target)
     module = low.modules[path]
@@ -99,7 +118,7 @@ def _lower_compute(low: _Lowering, node: fx.Node) -> None:
     assert inner is not None
     in_qp = low.qparams[tensor_input(node)]  # type: ignore[index]
     node, out_qp = _absorb_observer(low, node)
-    w_qp = get_weight_observer(low.config.settings_for(path).weight)().qparams(inner.weight)
+    w_qp = weight_qparams(low.config, path, inner)
     relu = isinstance(module, Fused) and module.min_val == 0.0
     parts = (quantize(inner.weight.detach(), w_qp), w_qp, inner.bias, (in_qp, out_qp))
     if isinstance(inner, nn.Linear):
@@ -168,7 +187,7 @@ def _lower_node(low: _Lowering, node: fx.Node) -> None:
 
 def lower_to_int8(gm: fx.GraphModule, config: QuantConfig, backend: Backend) -> fx.GraphModule:
     """Rewrite a calibrated prepared graph (in place) into an INT8 graph running on ``backend``."""
-    low = _Lowering(gm, config, backend, modules_of(gm))
+    low = _Lowering(gm, config, backend, modules_of(gm), observer_qparams(gm, backend))
     for node in list(gm.graph.nodes):
         if not getattr(node, "_erased", False):  # observers absorbed by their producer are already gone
             _lower_node(low, node)

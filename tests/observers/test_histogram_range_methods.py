@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fxquant.observers import EntropyObserver, Observer, get_activation_observer
 from fxquant.observers.entropy import kl_divergences
-from fxquant.observers.hist_math import Histogram, expected_sq_error, fold_abs, grid_for, quantile, rebin
+from fxquant.observers.hist_math import Histogram, count, expected_sq_error, fold_abs, grid_for, quantile, rebin
 from fxquant.qparams import affine_qparams, fake_quantize
 
 PROPERTY = settings(max_examples=25, deadline=None)
@@ -155,10 +155,22 @@ def test_expected_error_matches_brute_force_fake_quantization(kind: str) -> None
 @given(lo=st.floats(-1e6, 1e6), span=st.floats(0.0, 1e6), grow=st.floats(0.0, 1e6), bins=st.sampled_from([16, 2048]))
 def test_grid_covers_the_range_and_only_coarsens_as_it_grows(lo: float, span: float, grow: float, bins: int) -> None:
     start, width = grid_for(lo, lo + span, bins)
-    assert start <= lo and start + bins * width >= lo + span
+    assert start <= lo and start + bins * width >= lo + span, f"grid ({start}, {width}) misses [{lo}, {lo + span}]"
     assert math.log2(width).is_integer() and (start / width).is_integer()
     start2, width2 = grid_for(lo - grow, lo + span, bins)
-    assert width2 >= width and (start - start2) / width >= 0
+    assert width2 >= width and start2 <= start, f"grid shrank: ({start}, {width}) -> ({start2}, {width2})"
+
+
+@pytest.mark.parametrize("kind", ["normal", "relu", "laplace", "uniform", "skewed"])
+@pytest.mark.parametrize("bins", [16, 2048])
+def test_both_counting_paths_agree_with_histc(kind: str, bins: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = with_outliers(sample(kind), count=3) * 0.37
+    start, width = grid_for(float(data.min()), float(data.max()), bins)
+    expected = torch.histc(data, bins, start, start + bins * width).double()
+    for threads in (1, 8):  # bincount path on one or two threads, histc beyond
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        got = count(data, start, width, bins)
+        assert torch.equal(got, expected), f"{threads} threads: {float((got - expected).abs().sum())} counts differ"
 
 
 def test_rebin_merges_whole_bins_exactly() -> None:
@@ -168,7 +180,7 @@ def test_rebin_merges_whole_bins_exactly() -> None:
     wide_start, wide_width = grid_for(-1000.0, float(data.max()), 512)
     coarse = rebin(fine, wide_start, wide_width, 512)
     direct = torch.histc(data, 512, wide_start, wide_start + 512 * wide_width).double()
-    assert torch.equal(coarse, direct)
+    assert torch.equal(coarse, direct), f"{float((coarse - direct).abs().sum())} counts in the wrong bin"
 
 
 def test_fold_abs_is_the_histogram_of_the_magnitudes() -> None:
@@ -177,7 +189,7 @@ def test_fold_abs_is_the_histogram_of_the_magnitudes() -> None:
     folded = fold_abs(hist)
     top = folded.width * folded.bins
     direct = torch.histc(data.abs(), folded.bins, 0.0, top).double()
-    assert torch.equal(folded.counts, direct)
+    assert torch.equal(folded.counts, direct), f"{float((folded.counts - direct).abs().sum())} counts differ"
 
 
 def test_quantile_of_an_explicit_histogram() -> None:
