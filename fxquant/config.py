@@ -103,7 +103,8 @@ class QuantConfig:
 
     def settings_for(self, path: str) -> LayerSettings:
         """Resolve the settings of the module at ``path`` (override > exclude > include > default)."""
-        base = dict(activation=self.activation, weight=self.weight, observer_options=dict(self.observer_options))
+        base: dict[str, Any] = dict(activation=self.activation, weight=self.weight,
+                                    observer_options=dict(self.observer_options))
         override = self._matching_override(path)
         if override is not None:
             merged = {**base, **override}

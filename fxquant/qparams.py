@@ -51,7 +51,7 @@ class QParams:
         """``(scale, zero_point)`` as Python numbers; only valid for per-tensor parameters."""
         if self._scalar is None:  # type: ignore[attr-defined]
             raise ValueError("scalar() needs per-tensor qparams")
-        return self._scalar  # type: ignore[attr-defined,no-any-return]
+        return self._scalar  # type: ignore[attr-defined]
 
     def to_dict(self) -> dict[str, torch.Tensor | int | None]:
         return {

@@ -53,7 +53,8 @@ def test_leaf_module_from_the_message_makes_it_work() -> None:
 
 def test_convert_before_calibration_lists_observers() -> None:
     prepared = fxquant.prepare(create_model("conv_bn"), (torch.randn(1, 3, 32, 32),))
-    with pytest.raises(CalibrationError, match=r"3 observer\(s\) saw no data: input_1 \(input of conv\), output of conv, output of fc\. Run "):
+    expected = r"3 observer\(s\) saw no data: input_1 \(input of conv\), output of conv, output of fc\. Run "
+    with pytest.raises(CalibrationError, match=expected):
         fxquant.convert(prepared)
 
 
@@ -86,7 +87,7 @@ def test_nonfinite_batch_names_batch_and_leaves_ranges(bad: float) -> None:
     before = {k: v.clone() for k, v in prepared.state_dict().items()}
     poisoned = torch.randn(2, 4)
     poisoned[1, 2] = bad
-    with pytest.raises(CalibrationError, match="batch 1 contains NaN or Inf"):
+    with pytest.raises(CalibrationError, match=r"batch 1 contains NaN or Inf"):
         fxquant.calibrate(prepared, [torch.randn(2, 4), poisoned], progress=False)
     clean_first = {k: v for k, v in prepared.state_dict().items()}
     # batch 0 was clean and counted; nothing of batch 1 reached any observer
@@ -126,5 +127,5 @@ def test_empty_data_zero_size_batch_and_wrong_batch_shape() -> None:
 
 
 def test_convert_of_a_foreign_module_is_refused() -> None:
-    with pytest.raises(InputError, match="not produced by fxquant.prepare"):
+    with pytest.raises(InputError, match=r"not produced by fxquant\.prepare"):
         fxquant.convert(torch.fx.symbolic_trace(nn.Linear(2, 2)))

@@ -52,7 +52,8 @@ def test_file_round_trip(tmp_path: Path, suffix: str) -> None:
 
         path.write_text(yaml.safe_dump(data))
     else:
-        path.write_text('version = 1\nbackend = "qnnpack"\nexclude = ["fc"]\n[overrides.conv1]\nweight = "per_tensor"\n')
+        path.write_text('version = 1\nbackend = "qnnpack"\nexclude = ["fc"]\n'
+                        '[overrides.conv1]\nweight = "per_tensor"\n')
     loaded = QuantConfig.from_file(path)
     assert loaded.to_dict() == config.to_dict()
 

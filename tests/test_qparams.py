@@ -6,8 +6,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxquant.qparams import INT8_RANGE, REDUCED_UINT8_RANGE, UINT8_RANGE, affine_qparams, dequantize, quantize, \
-    symmetric_qparams
+from fxquant.qparams import (
+    INT8_RANGE,
+    REDUCED_UINT8_RANGE,
+    UINT8_RANGE,
+    affine_qparams,
+    dequantize,
+    quantize,
+    symmetric_qparams,
+)
 
 finite = st.floats(-1e3, 1e3, allow_nan=False, width=32)
 

@@ -9,7 +9,7 @@ take, such as ``label``, are dropped). A torch DataLoader or any iterable of suc
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -60,7 +60,7 @@ def iterate_batches(data: Iterable[Batch] | torch.Tensor, *, batch_size: int = 3
         yield data
         return
     if _is_hf_dataset(data):
-        yield from data.with_format("torch").iter(batch_size=batch_size)  # type: ignore[attr-defined]
+        yield from cast(Any, data).with_format("torch").iter(batch_size=batch_size)
         return
     if not isinstance(data, Iterable):
         raise InputError(f"calibration data must be iterable (a DataLoader, list of batches, ...), "

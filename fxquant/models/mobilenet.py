@@ -21,7 +21,9 @@ from fxquant.models._blocks import (
 INPUT_SHAPE = (3, 224, 224)
 # (expansion t, output channels c, repeats n, first stride s) from the MobileNetV2 paper, Table 2.
 BlockSettings = tuple[tuple[int, int, int, int], ...]
-PAPER_SETTINGS: BlockSettings = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1))
+PAPER_SETTINGS: BlockSettings = (
+    (1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1)
+)
 
 
 class InvertedResidual(nn.Module):

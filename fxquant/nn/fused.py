@@ -34,7 +34,10 @@ def add_relu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.relu(a + b)
 
 
-def compute_module(m: nn.Module) -> nn.Module | None:
+def compute_module(m: nn.Module) -> nn.Linear | nn.modules.conv._ConvNd | None:
     """The Linear/Conv inside ``m`` if ``m`` is one (plain or fused), else None."""
     inner = m.inner if isinstance(m, Fused) else m
-    return inner if type(inner) in COMPUTE_TYPES else None
+    if type(inner) in COMPUTE_TYPES:
+        assert isinstance(inner, (nn.Linear, nn.modules.conv._ConvNd))
+        return inner
+    return None

@@ -59,6 +59,11 @@ class DeQuantize(_BackendModule):
 class _QuantizedWeighted(_BackendModule):
     """Shared state of quantized Linear/Conv: int8 weight, its qparams, float bias, input/output qparams."""
 
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_zero_point: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, io: tuple[QParams, QParams],
                  *, relu: bool, backend: Backend) -> None:
         super().__init__(backend)

@@ -26,6 +26,10 @@ class Observer(nn.Module):
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = "activation"
+    min_val: torch.Tensor
+    max_val: torch.Tensor
+    num_updates: torch.Tensor
+    num_elements: torch.Tensor
 
     def __init__(self, **options: Any) -> None:
         super().__init__()

@@ -48,8 +48,6 @@ class HistogramObserverBase(Observer):
     histogram: torch.Tensor
     hist_start: torch.Tensor
     hist_width: torch.Tensor
-    min_val: torch.Tensor
-    max_val: torch.Tensor
 
     def __init__(self, *, bins: int = 2048, **options: Any) -> None:
         super().__init__(**options)

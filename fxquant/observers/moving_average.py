@@ -32,7 +32,6 @@ class MovingAverageObserver(Observer):
     # Buffers, declared for type checkers (nn.Module.__getattr__ is typed Tensor | Module).
     ema_min: torch.Tensor
     ema_max: torch.Tensor
-    num_updates: torch.Tensor
 
     def __init__(self, *, averaging_constant: float = 0.01, **options: Any) -> None:
         super().__init__(**options)

@@ -28,7 +28,7 @@ def register_observer(name: str) -> Callable[[T], T]:
             raise TypeError(f"{cls.__name__} is neither an Observer nor a WeightObserver")
         if name in table:
             raise ConfigError(f"an observer named {name!r} is already registered ({table[name].__name__})")
-        cls.name = name  # type: ignore[attr-defined]
+        cls.name = name
         table[name] = cls
         return cls
 

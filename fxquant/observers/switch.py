@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -43,7 +43,7 @@ def switch_method(observer: Observer, name: str, **options: Any) -> Observer:
             f"histogram-family observers {_histogram_names()} (they share one stored histogram). "
             f"Re-calibrate with activation={name!r} instead."
         )
-    new = target(**options).to(cast(torch.Tensor, observer.min_val).device)
+    new = target(**options).to(observer.min_val.device)
     with torch.no_grad():
         if isinstance(new, HistogramObserverBase) and isinstance(observer, HistogramObserverBase) and observer.has_data:
             new.add_histogram(observer.stored_histogram(), float(observer.min_val), float(observer.max_val))

@@ -24,5 +24,10 @@ def finish(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def nodes_of(gm: fx.GraphModule) -> list[fx.Node]:
+    """A snapshot of the graph's nodes, safe to iterate while the graph is edited."""
+    return list(gm.graph.nodes)
+
+
 def only_user(node: fx.Node) -> fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxquant.nn.fused import Fused, add_relu, compute_module
-from fxquant.passes._graph import finish, modules_of, only_user, replace_submodule
+from fxquant.passes._graph import finish, modules_of, nodes_of, only_user, replace_submodule
 from fxquant.patterns import OpKind, classify, is_relu
 
 
@@ -38,16 +38,17 @@ def _hardtanh_range(lo: object, hi: object) -> tuple[float, float | None, str] |
 def fuse_activations(gm: fx.GraphModule) -> fx.GraphModule:
     """Rewrite ``act(layer(x))`` into ``Fused(layer, act)(x)`` and ``relu(a + b)`` into ``add_relu(a, b)``."""
     modules = modules_of(gm)
-    for node in list(gm.graph.nodes):
+    for node in nodes_of(gm):
         kind = classify(node, modules)
         user = only_user(node)
         if user is None or kind not in (OpKind.COMPUTE, OpKind.BINARY) or user.args[0] is not node:
             continue
-        if kind is OpKind.COMPUTE and compute_module(modules[node.target]) is modules[node.target]:
+        path = str(node.target)
+        if kind is OpKind.COMPUTE and compute_module(modules[path]) is modules[path]:
             clamp = _clamp_of(user, modules)
             if clamp is not None:
-                modules[node.target] = Fused(modules[node.target], *clamp)
-                replace_submodule(gm, node.target, modules[node.target])
+                modules[path] = Fused(modules[path], *clamp)
+                replace_submodule(gm, path, modules[path])
                 user.replace_all_uses_with(node)
                 gm.graph.erase_node(user)
         elif kind is OpKind.BINARY and is_relu(user, modules):

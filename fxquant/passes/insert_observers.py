@@ -13,7 +13,7 @@ from torch import fx
 
 from fxquant.config import LayerSettings, QuantConfig
 from fxquant.observers import Observer, get_activation_observer
-from fxquant.passes._graph import finish, modules_of
+from fxquant.passes._graph import finish, modules_of, nodes_of
 from fxquant.patterns import OpKind, classify, tensor_input
 
 OBSERVER_PREFIX = "observer_"
@@ -65,7 +65,7 @@ def insert_observers(gm: fx.GraphModule, config: QuantConfig) -> fx.GraphModule:
     modules = modules_of(gm)
     state = _State(gm, set(), {})
     default = config.settings_for("")
-    for node in list(gm.graph.nodes):
+    for node in nodes_of(gm):
         kind = classify(node, modules)
         if kind is OpKind.COMPUTE:
             settings = config.settings_for(str(node.target))

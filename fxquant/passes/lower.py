@@ -23,7 +23,7 @@ from fxquant.nn.quantized import (
     QuantizedReLU,
 )
 from fxquant.observers import Observer, get_weight_observer
-from fxquant.passes._graph import finish, modules_of, only_user, replace_submodule
+from fxquant.passes._graph import finish, modules_of, nodes_of, only_user, replace_submodule
 from fxquant.passes.value_ops import value_module_options
 from fxquant.patterns import OpKind, classify, tensor_input
 from fxquant.qparams import QParams, quantize
@@ -106,7 +106,7 @@ def _absorb_observer(low: _Lowering, node: fx.Node) -> tuple[fx.Node, QParams]:
     return node, out_qp
 
 
-def weight_qparams(config: QuantConfig, path: str, layer: nn.Module) -> QParams:
+def weight_qparams(config: QuantConfig, path: str, layer: nn.Linear | nn.modules.conv._ConvNd) -> QParams:
     """Symmetric int8 qparams of ``layer``'s weight with the weight observer the config gives ``path``."""
     return get_weight_observer(config.settings_for(path).weight)().qparams(layer.weight)
 
@@ -188,7 +188,7 @@ def _lower_node(low: _Lowering, node: fx.Node) -> None:
 def lower_to_int8(gm: fx.GraphModule, config: QuantConfig, backend: Backend) -> fx.GraphModule:
     """Rewrite a calibrated prepared graph (in place) into an INT8 graph running on ``backend``."""
     low = _Lowering(gm, config, backend, modules_of(gm), observer_qparams(gm, backend))
-    for node in list(gm.graph.nodes):
+    for node in nodes_of(gm):
         if not getattr(node, "_erased", False):  # observers absorbed by their producer are already gone
             _lower_node(low, node)
     return finish(gm)

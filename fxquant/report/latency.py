@@ -40,7 +40,7 @@ def num_threads(threads: int | None) -> Iterator[None]:
 
 def _stats(samples: Sequence[float]) -> LatencyStats:
     ordered = sorted(samples)
-    p90 = ordered[min(len(ordered) - 1, int(round(0.9 * (len(ordered) - 1))))]
+    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
     return LatencyStats(statistics.median(ordered), p90, ordered[0], ordered[-1], len(ordered))
 
 
