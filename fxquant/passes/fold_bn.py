@@ -41,7 +41,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
     modules = modules_of(gm)
     for node in nodes_of(gm):
         bn = modules.get(str(node.target)) if node.op == "call_module" else None
-        producer = node.args[0]
+        producer = node.args[0] if node.args else None
         if not isinstance(bn, _BN_TYPES) or not isinstance(producer, fx.Node) or producer.op != "call_module":
             continue
         layer = modules[str(producer.target)]
