@@ -175,7 +175,10 @@ def _parse_config_text(path: Path) -> Any:
 
             return yaml.safe_load(text) or {}
         if suffix == ".toml":
-            import tomllib
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10: the tomli backport is a dependency there
+                import tomli as tomllib
 
             return tomllib.loads(text)
     except Exception as exc:  # each parser has its own error type; all mean the same to the user

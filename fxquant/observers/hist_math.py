@@ -70,7 +70,9 @@ def count(x: torch.Tensor, start: float, width: float, bins: int) -> torch.Tenso
     """
     if torch.get_num_threads() > 2 or bins > _INT16_BINS or x.device.type != "cpu":
         return torch.histc(x, bins, min=start, max=start + bins * width).double()
-    index = torch.sub(x.reshape(-1), start).mul_(1.0 / width).to(torch.int16)  # truncation == floor: index >= 0
+    # x / width - start / width in one op: scaling by a power of two is exact, so this rounds like (x - start) / width.
+    offset = torch.tensor(-start / width, dtype=x.dtype)
+    index = torch.add(offset, x.reshape(-1), alpha=1.0 / width).to(torch.int16)  # truncation == floor: index >= 0
     counts = torch.bincount(index, minlength=bins + 1).double()
     counts[bins - 1] += counts[bins:].sum()  # the top edge itself belongs to the last bin, as in histc
     return counts[:bins]
