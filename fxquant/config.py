@@ -178,7 +178,7 @@ def _parse_config_text(path: Path) -> Any:
             try:
                 import tomllib
             except ModuleNotFoundError:  # Python 3.10: the tomli backport is a dependency there
-                import tomli as tomllib
+                import tomli as tomllib  # type: ignore[no-redef]
 
             return tomllib.loads(text)
     except Exception as exc:  # each parser has its own error type; all mean the same to the user
