@@ -4,7 +4,7 @@ Importing fxquant has no side effects: no engine switch, no heavy optional impor
 """
 
 from fxquant import errors
-from fxquant.api import convert, prepare, quantize
+from fxquant.api import convert, prepare, quantize, recompute_qparams
 from fxquant.calibration import CalibrationSummary, calibrate, observing
 from fxquant.config import QuantConfig
 from fxquant.graph_view import format_graph, print_graph
@@ -24,5 +24,6 @@ __all__ = [
     "prepare",
     "print_graph",
     "quantize",
+    "recompute_qparams",
     "register_observer",
 ]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,27 +17,11 @@ from fxquant.calibration import calibrate, observers_of
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError, InputError
 from fxquant.kernels.registry import get_backend
+from fxquant.observers import switch_method
 from fxquant.passes import fold_batchnorm, fuse_activations, insert_observers, lower_to_int8
+from fxquant.passes._graph import replace_submodule
+from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
 from fxquant.tracing import trace
-
-STATE_KEY = "fxquant_state"  # key in GraphModule.meta, which deepcopy preserves
-
-
-@dataclass(frozen=True)
-class QuantState:
-    """What fxquant knows about a GraphModule it produced (kept in ``gm.meta[STATE_KEY]``)."""
-
-    config: QuantConfig
-    stage: str  # "prepared" or "converted"
-    example_shapes: tuple[tuple[int, ...], ...]
-    backend: str | None = None
-
-
-def quant_state(gm: nn.Module) -> QuantState:
-    state = getattr(gm, "meta", {}).get(STATE_KEY)
-    if not isinstance(state, QuantState):
-        raise InputError(f"{type(gm).__name__} was not produced by fxquant.prepare(); prepare the float model first")
-    return state
 
 
 def _check_model(model: nn.Module) -> None:
@@ -88,8 +72,9 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
     gm = trace(copy.deepcopy(model), leaf_modules=config.leaf_modules)
     _run_example(gm, example_inputs)
     gm = insert_observers(fuse_activations(fold_batchnorm(gm)), config)
-    shapes = tuple(tuple(v.shape) for v in example_inputs if isinstance(v, torch.Tensor))
-    gm.meta[STATE_KEY] = QuantState(config, "prepared", shapes)
+    specs = tuple(InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
+                  for v in example_inputs if isinstance(v, torch.Tensor))
+    gm.meta[STATE_KEY] = QuantState(config, "prepared", specs)
     return gm
 
 
@@ -109,7 +94,9 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None) -> fx.Graph
                                "fxquant.calibrate(prepared, data) with data that reaches them before convert().")
     kernel = get_backend(backend or state.config.backend)
     gm = lower_to_int8(copy.deepcopy(prepared), state.config, kernel)
-    gm.meta[STATE_KEY] = replace(state, stage="converted", backend=kernel.name)
+    observers = observers_of(prepared)
+    statistics = {k: v.detach().clone() for k, v in prepared.state_dict().items() if k.split(".")[0] in observers}
+    gm.meta[STATE_KEY] = replace(state, stage="converted", backend=kernel.name, observer_state=statistics)
     return gm
 
 
@@ -122,3 +109,24 @@ def quantize(model: nn.Module, example_inputs: Any, data: Iterable[Any], config:
     prepared = prepare(model, example_inputs, config)
     calibrate(prepared, data, num_batches=num_batches, progress=progress)
     return convert(prepared)
+
+
+def recompute_qparams(prepared: fx.GraphModule, *, activation: str, **options: Any) -> fx.GraphModule:
+    """Switch every observer of a calibrated ``prepared`` model to another range method, without new data.
+
+    Histogram-family observers (``histogram``, ``percentile``, ``entropy``, ``mse``) share one stored histogram, so
+    any of them can become any other; every observer can become ``minmax``. The model is changed in place and
+    returned; ``convert`` then uses the new ranges. Example::
+
+        prepared = fxquant.prepare(model, example, QuantConfig(activation="histogram"))
+        fxquant.calibrate(prepared, data)
+        fxquant.recompute_qparams(prepared, activation="entropy")
+        qmodel = fxquant.convert(prepared)
+    """
+    state = quant_state(prepared)
+    for name, observer in observers_of(prepared).items():
+        replace_submodule(prepared, name, switch_method(observer, activation, **options))
+    config = replace(state.config, activation=activation,
+                     observer_options={**state.config.observer_options, **options})
+    update_state(prepared, config=config)
+    return prepared

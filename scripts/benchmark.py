@@ -62,6 +62,9 @@ class Suite:
     notes: list[str] = field(default_factory=list)
     start_load: str = field(default_factory=load_average)
 
+    def graph_rows_keys(self) -> list[list[str]]:
+        return [row[:3] for row in self.graph_rows]
+
     def note(self, text: str) -> None:
         self.notes.append(text)
         print(f"note: {text}", file=sys.stderr, flush=True)
@@ -134,11 +137,14 @@ def record_graphs(workload: Workload, engine: str, candidates: dict[str, Candida
     inputs = example_inputs(workload.name, 8, seed=0)
     with torch.inference_mode():
         reference = candidates[FP32].run(*inputs)
-        for candidate in candidates.values():
-            if candidate.qdq is not None:
-                sqnr = sqnr_db(reference, candidate.run(*inputs))
-                suite.graph_rows.append([workload.name, engine, candidate.label, str(candidate.qdq.quantize),
-                                         str(candidate.qdq.dequantize), f"{sqnr:.1f}"])
+        for key, candidate in candidates.items():
+            # fxquant models do not depend on the engine: one row per model, not one per engine
+            row_engine = "-" if key.startswith("fxquant:") else engine
+            if candidate.qdq is None or [workload.name, row_engine, candidate.label] in suite.graph_rows_keys():
+                continue
+            sqnr = sqnr_db(reference, candidate.run(*inputs))
+            suite.graph_rows.append([workload.name, row_engine, candidate.label, str(candidate.qdq.quantize),
+                                     str(candidate.qdq.dequantize), f"{sqnr:.1f}"])
 
 
 def _call_once(candidate: Candidate, inputs: tuple[torch.Tensor, ...]) -> float:

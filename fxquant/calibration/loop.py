@@ -17,6 +17,7 @@ from tqdm import tqdm
 from fxquant.calibration.adapters import batch_size_of, forward_parameters, iterate_batches, to_call_args
 from fxquant.calibration.observing import observing
 from fxquant.errors import CalibrationError, FxQuantError, InputError
+from fxquant.state import STATE_KEY, update_state
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,9 @@ def calibrate(prepared: fx.GraphModule, data: Iterable[Any] | torch.Tensor, *, n
             if max_samples is not None and summary.samples >= max_samples:
                 break
     summary.seconds = time.perf_counter() - start
+    state = getattr(prepared, "meta", {}).get(STATE_KEY)
+    if state is not None:
+        update_state(prepared, calibration_samples=state.calibration_samples + summary.samples)
     if summary.batches == 0:
         raise CalibrationError("calibration data yielded no usable batch; pass a non-empty dataset")
     for obs in observers.values():
