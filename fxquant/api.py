@@ -18,7 +18,7 @@ from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError, InputError
 from fxquant.kernels.registry import get_backend
 from fxquant.observers import switch_method
-from fxquant.passes import fold_batchnorm, fuse_activations, insert_observers, lower_to_int8
+from fxquant.passes import fold_batchnorm, functional_to_modules, fuse_activations, insert_observers, lower_to_int8
 from fxquant.passes._graph import replace_submodule
 from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
 from fxquant.tracing import trace
@@ -71,7 +71,7 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
     example_inputs = _check_example_inputs(example_inputs)
     gm = trace(copy.deepcopy(model), leaf_modules=config.leaf_modules)
     _run_example(gm, example_inputs)
-    gm = insert_observers(fuse_activations(fold_batchnorm(gm)), config)
+    gm = insert_observers(fuse_activations(fold_batchnorm(functional_to_modules(gm))), config)
     specs = tuple(InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
                   for v in example_inputs if isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs)

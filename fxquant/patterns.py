@@ -1,9 +1,11 @@
 """What each FX node means for quantization: the one table prepare and convert both read.
 
 * ``COMPUTE``: a Linear/Conv (maybe fused with its activation): int8 kernel, needs an int8 input, observed output.
-* ``BINARY``: residual add (+ReLU): int8 kernel when an input is already int8, observed output.
-* ``VALUE``: ReLU, average pooling: int8 when the input is, output keeps the input's qparams (a backend kernel).
-* ``STRUCTURAL``: reshapes, max-pool, indexing, dropout: any tensor, int8 or float, output keeps the qparams.
+* ``BINARY``: residual add (+ReLU) and element-wise mul of two tensors: int8 kernel when an input is already int8,
+  observed output.
+* ``JOIN``: ``torch.cat`` of a list of tensors: int8 when an input is, requantized to an observed output.
+* ``VALUE``: ReLU, max/average pooling: int8 when the input is, output keeps the input's qparams (a backend kernel).
+* ``STRUCTURAL``: reshapes, indexing, dropout: any tensor, int8 or float, output keeps the qparams.
 * ``META``: ``x.size()``, ``x.dim()``, ``x.shape``: read metadata only; never force a dequantize.
 * ``FLOAT``: everything else; int8 inputs are dequantized first.
 """
@@ -19,11 +21,13 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxquant.nn.fused import add_relu, compute_module
+from fxquant.passes.value_ops import POOL_FUNCTIONS, POOL_MODULES
 
 
 class OpKind(enum.Enum):
     COMPUTE = "compute"
     BINARY = "binary"
+    JOIN = "join"
     VALUE = "value"
     STRUCTURAL = "structural"
     META = "meta"
@@ -31,17 +35,15 @@ class OpKind(enum.Enum):
 
 
 _ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add, add_relu}
-_VALUE_FUNCTIONS = {F.relu, torch.relu, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
-                    F.avg_pool1d, F.avg_pool2d, F.avg_pool3d}
-_VALUE_MODULES = (nn.ReLU, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d, nn.AvgPool1d,
-                  nn.AvgPool2d, nn.AvgPool3d)
+_MUL_FUNCTIONS = {operator.mul, operator.imul, torch.mul}
+_VALUE_FUNCTIONS = {F.relu, torch.relu} | POOL_FUNCTIONS
+_VALUE_MODULES: tuple[type[nn.Module], ...] = (nn.ReLU, *POOL_MODULES)
 _STRUCTURAL_FUNCTIONS = {torch.flatten, torch.reshape, torch.permute, torch.transpose, torch.squeeze,
-                         torch.unsqueeze, torch.chunk, torch.split, operator.getitem, F.max_pool1d, F.max_pool2d,
-                         F.max_pool3d, F.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d}
+                         torch.unsqueeze, torch.chunk, torch.split, operator.getitem, F.dropout, F.dropout1d,
+                         F.dropout2d}
 _STRUCTURAL_METHODS = {"flatten", "reshape", "view", "permute", "transpose", "contiguous", "squeeze",
                        "unsqueeze", "chunk", "split"}
-_STRUCTURAL_MODULES = (nn.Flatten, nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.Dropout, nn.Dropout1d,
-                       nn.Dropout2d, nn.Identity)
+_STRUCTURAL_MODULES = (nn.Flatten, nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Identity)
 _META_METHODS = {"size", "dim", "numel"}
 _META_ATTRS = {"shape", "dtype", "device", "ndim"}
 
@@ -69,8 +71,10 @@ def _classify_module(m: nn.Module) -> OpKind:
 
 def _classify_function(node: fx.Node) -> OpKind:
     target = node.target
-    if target in _ADD_FUNCTIONS:
+    if target in _ADD_FUNCTIONS or target in _MUL_FUNCTIONS:
         return OpKind.BINARY if _two_tensor_nodes(node) else OpKind.FLOAT
+    if target in (torch.cat, torch.concat) and join_inputs(node):
+        return OpKind.JOIN
     if target in _VALUE_FUNCTIONS:
         return OpKind.VALUE
     if target in _STRUCTURAL_FUNCTIONS:
@@ -81,7 +85,7 @@ def _classify_function(node: fx.Node) -> OpKind:
 
 
 def _classify_method(node: fx.Node) -> OpKind:
-    if node.target == "add" and _two_tensor_nodes(node):
+    if node.target in ("add", "mul") and _two_tensor_nodes(node):
         return OpKind.BINARY
     if node.target in ("relu", "relu_"):
         return OpKind.VALUE
@@ -95,6 +99,23 @@ def _classify_method(node: fx.Node) -> OpKind:
 def _two_tensor_nodes(node: fx.Node) -> bool:
     args = node.args[:2]
     return len(args) == 2 and all(isinstance(a, fx.Node) for a in args) and not node.kwargs.get("alpha")
+
+
+def is_mul(node: fx.Node) -> bool:
+    return node.target in _MUL_FUNCTIONS or (node.op == "call_method" and node.target == "mul")
+
+
+def join_inputs(node: fx.Node) -> list[fx.Node]:
+    """The tensors ``torch.cat`` joins, when they are all graph values (else empty)."""
+    values = node.args[0] if node.args else node.kwargs.get("tensors")
+    if isinstance(values, (list, tuple)) and values and all(isinstance(v, fx.Node) for v in values):
+        return list(values)
+    return []
+
+
+def join_dim(node: fx.Node) -> int:
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    return int(dim)  # type: ignore[arg-type]
 
 
 def tensor_input(node: fx.Node) -> fx.Node | None:

@@ -1,14 +1,28 @@
-"""Reading tensor files safely: loading never executes code from the file."""
+"""Reading and writing tensor files safely.
+
+Loading never executes code from the file: tensors load with ``torch.load(weights_only=True)``, which refuses any
+pickled object other than tensors and plain containers. Writing goes to a temporary file in the same directory that
+is then renamed over the target (``os.replace`` is atomic on POSIX and Windows), so an interrupted write never
+leaves a partial file behind.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import io
+import os
 import pickle
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fxquant.errors import ArtifactError
+
+_CHUNK = 1 << 20
 
 
 def load_tensors(path: str | Path) -> Any:
@@ -22,5 +36,48 @@ def load_tensors(path: str | Path) -> Any:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unsupported content"
         raise ArtifactError(f"{path}: refused to load; it holds objects other than tensors ({first}). fxquant "
                             "never executes code from a file: save plain tensors / state dicts") from None
-    except (RuntimeError, EOFError, OSError) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
         raise ArtifactError(f"{path}: corrupt or truncated tensor file ({exc})") from None
+
+
+def tensor_bytes(obj: Any) -> bytes:
+    """``torch.save(obj)`` as bytes: the content is hashed before it is written, so the manifest can name it."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: str | Path) -> str:
+    """The file's SHA-256, read in chunks (weights files can be large)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@contextlib.contextmanager
+def _temporary_sibling(path: Path) -> Iterator[Path]:
+    """A temporary file next to ``path`` (same filesystem, so the final rename is atomic); removed on failure."""
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    temp = Path(name)
+    try:
+        yield temp
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+def atomic_write(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old content or the new, never a mix."""
+    path = Path(path)
+    with _temporary_sibling(path) as temp:
+        with open(temp, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)

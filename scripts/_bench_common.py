@@ -193,6 +193,23 @@ def environment_lines() -> list[str]:
     ]
 
 
+def busy_note(peak_load: float) -> str | None:
+    """A warning for the notes when the 1-minute load went above the logical CPUs during the run, else None."""
+    cpus = os.cpu_count() or 1
+    if peak_load <= cpus:
+        return None
+    return (f"the 1-minute load average reached {peak_load:.1f} on {cpus} logical CPUs: other processes shared the "
+            "timed cores; rows with more threads are the least reliable (a multi-threaded op waits for its slowest, "
+            "possibly preempted, thread)")
+
+
+def load_1min() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
 def load_average() -> str:
     """The machine's 1/5/15-minute load: above the core count, other processes share the timed cores."""
     try:

@@ -5,7 +5,7 @@ Every row of one configuration (model, batch, threads, engine) is timed interlea
 are calibrated on the same seeded random batches. Ratios: ``FP32/fxquant`` is fxquant's speedup over float;
 ``<peer>/fxquant`` >= 1.0 means fxquant is no slower than the peer.
 
-    python scripts/benchmark.py                     # the default run: ~6 minutes on 2 cores
+    python scripts/benchmark.py                     # the default run: ~4-5 minutes on 2 cores
     python scripts/benchmark.py --quick             # smoke run: tiny time budget
     python scripts/benchmark.py --models mlp --batches 1 --threads 1 --engine all --backends all
 """
@@ -23,10 +23,12 @@ from _bench_common import (
     PEERS,
     Candidate,
     Workload,
+    busy_note,
     environment_lines,
     fp32_candidate,
     fxquant_calibrated,
     fxquant_candidate,
+    load_1min,
     load_average,
     make_workload,
     sqnr_db,
@@ -61,11 +63,14 @@ class Suite:
     graph_rows: list[list[str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     start_load: str = field(default_factory=load_average)
+    peak_load: float = 0.0  # highest 1-minute load average seen after a configuration
 
     def graph_rows_keys(self) -> list[list[str]]:
         return [row[:3] for row in self.graph_rows]
 
     def note(self, text: str) -> None:
+        if text in self.notes:
+            return
         self.notes.append(text)
         print(f"note: {text}", file=sys.stderr, flush=True)
 
@@ -95,7 +100,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     known = available_backends()
     if args.backends == ["all"]:
         args.backends = list(known)
-    unknown = sorted(set(args.backends or []) - set(known))
+    unknown = sorted({b for engine in args.engines for b in backends_for(args, engine)} - set(known))
     if unknown:
         parser.error(f"unavailable fxquant backend(s) {', '.join(unknown)}; available: {', '.join(known)}")
     return args
@@ -174,13 +179,13 @@ def measure(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], 
     """
     with num_threads(threads), torch.inference_mode():
         calls = [_call_once(c, inputs) for c in candidates.values()]
-    heavy = args.quick or max(calls) > HEAVY_CALL_S
+    heavy = max(calls) > HEAVY_CALL_S
     min_runs = 2 if args.quick else 3 if heavy else 5
     budget = max(args.time_budget, 1.2 * min_runs * sum(calls))
     fns = {key: (lambda c=c: c.run(*inputs)) for key, c in candidates.items()}
     orders = [list(fns)] if heavy else [list(fns), list(fns)[::-1]]
-    return _merge([measure_latency({k: fns[k] for k in order}, threads=threads, warmup=1 if heavy else 3,
-                                   min_runs=min_runs, time_budget_s=budget / len(orders)) for order in orders])
+    return _merge([measure_latency({k: fns[k] for k in order}, threads=threads, warmup=1 if heavy or args.quick
+                                   else 3, min_runs=min_runs, time_budget_s=budget / len(orders)) for order in orders])
 
 
 def _ms(stats: LatencyStats) -> str:
@@ -210,6 +215,10 @@ def run(args: argparse.Namespace) -> Suite:
                     stats = measure(candidates, inputs, threads, args)
                     suite.measurements.append(Measurement(name, batch, threads, engine, stats))
                     print(summary_line(suite.measurements[-1], candidates), flush=True)
+                    suite.peak_load = max(suite.peak_load, load_1min())
+    busy = busy_note(suite.peak_load)
+    if busy is not None:
+        suite.note(busy)
     return suite
 
 

@@ -3,12 +3,18 @@
 Accepted batches: a tensor or numpy array (one positional input); a tuple/list (positional inputs; trailing extra
 items such as labels are dropped when the model takes fewer inputs); a dict (keyword inputs; keys the model does not
 take, such as ``label``, are dropped). A torch DataLoader or any iterable of such batches works as is; a Hugging Face
-``datasets.Dataset`` is iterated in batches of ``batch_size`` rows as torch tensors.
+``datasets.Dataset`` (built in memory, from local csv/json/parquet files, or loaded with ``load_from_disk``) is
+iterated in batches of ``batch_size`` rows as a dict of torch tensors (non-numeric columns stay Python lists and are
+dropped unless the forward takes them).
+
+A ``transform`` (any callable ``batch -> batch``) is applied to each batch before it is adapted: tokenize raw
+text, rename columns to the forward's parameter names, stack a list of samples (a collate function), or pick
+``batch["pixel_values"]``. It runs only on the batches that are used (not on those a resumed or sharded run skips).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -18,6 +24,7 @@ from torch import fx
 from fxquant.errors import InputError
 
 Batch = Any
+Transform = Callable[[Any], Any]
 
 
 def forward_parameters(gm: fx.GraphModule) -> tuple[list[str], int]:
@@ -54,8 +61,20 @@ def batch_size_of(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> int:
     return 1
 
 
-def iterate_batches(data: Iterable[Batch] | torch.Tensor, *, batch_size: int = 32) -> Iterator[Batch]:
-    """Batches from ``data``; a bare tensor is one batch, a HF ``datasets.Dataset`` is read in batches."""
+def iterate_batches(data: Iterable[Batch] | torch.Tensor, *, batch_size: int = 32,
+                    transform: Transform | None = None) -> Iterator[Batch]:
+    """Batches from ``data``, each passed through ``transform`` when given.
+
+    A bare tensor or array is one batch; a HF ``datasets.Dataset`` is read ``batch_size`` rows at a time. Example::
+
+        for batch in iterate_batches(dataset, batch_size=16, transform=lambda b: {"x": b["image"] / 255}):
+            prepared(**batch)
+    """
+    raw = _raw_batches(data, batch_size)
+    return raw if transform is None else map(transform, raw)
+
+
+def _raw_batches(data: Iterable[Batch] | torch.Tensor, batch_size: int) -> Iterator[Batch]:
     if isinstance(data, (torch.Tensor, np.ndarray)):
         yield data
         return
@@ -66,6 +85,17 @@ def iterate_batches(data: Iterable[Batch] | torch.Tensor, *, batch_size: int = 3
         raise InputError(f"calibration data must be iterable (a DataLoader, list of batches, ...), "
                          f"got {type(data).__name__}")
     yield from data
+
+
+def count_batches(data: object, batch_size: int = 32) -> int | None:
+    """How many batches :func:`iterate_batches` will yield, when ``data`` knows its length (for progress bars)."""
+    if isinstance(data, (torch.Tensor, np.ndarray)):
+        return 1
+    try:
+        length = len(data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    return -(-length // batch_size) if _is_hf_dataset(data) else length
 
 
 def _is_hf_dataset(data: object) -> bool:

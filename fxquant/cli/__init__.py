@@ -1,30 +1,59 @@
 """The ``fxquant`` command line: thin argparse handlers over the Python API.
 
 Exit status: 0 success, 1 a regression found by ``regress``, 2 bad input (one line on stderr; ``--debug`` for the
-full traceback).
+full traceback), 130 interrupted (Ctrl-C). ``--debug``, ``--quiet`` and ``--json`` are accepted before or after the
+subcommand.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
 
-from fxquant.cli import commands
+from fxquant.cli import commands, results, stages
 from fxquant.errors import FxQuantError
 
-EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+_FLAGS = (
+    ("--debug", "show full tracebacks on errors"),
+    ("--quiet", "no progress bars, warnings only"),
+    ("--json", "print machine-readable JSON on stdout (errors too)"),
+)
+
+
+def _flags_parser(default: object) -> argparse.ArgumentParser:
+    """The global flags; subcommands get them with a suppressed default so they do not reset a value given first."""
+    parser = argparse.ArgumentParser(add_help=False)
+    for flag, text in _FLAGS:
+        parser.add_argument(flag, action="store_true", default=default, help=text)
+    return parser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxquant", description="Post-training INT8 quantization on CPU.")
-    parser.add_argument("--debug", action="store_true", help="show full tracebacks on errors")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars, warnings only")
+    parser = argparse.ArgumentParser(prog="fxquant", parents=[_flags_parser(False)],
+                                     description="Post-training INT8 quantization on CPU.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.register(sub)
+    common = _flags_parser(argparse.SUPPRESS)
+    stages.register(sub, common)
+    results.register(sub, common)
+    commands.register(sub, common)
     return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+
+
+def _fail(args: argparse.Namespace, message: str, status: int) -> int:
+    print(f"fxquant {args.command}: {message}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"ok": False, "command": args.command, "exit_code": status, "error": message}))
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -37,11 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FxQuantError as exc:
         if args.debug:
             traceback.print_exc()
-        print(f"fxquant {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return _fail(args, f"error: {_one_line(exc)}", EXIT_BAD_INPUT)
     except KeyboardInterrupt:
-        print(f"fxquant {args.command}: interrupted", file=sys.stderr)
-        return 130
+        return _fail(args, "interrupted", EXIT_INTERRUPTED)
+    except BrokenPipeError:  # stdout closed early (``fxquant graph RUN | head``): not an error of ours
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,37 +1,124 @@
-"""Subcommand definitions and their handlers."""
+"""``fxquant graph`` / ``inspect`` / ``export`` / ``demo``: look at a run, ship it, or try the bundled example."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
+from typing import Any
 
+from fxquant.cli.common import emit, load_config
+from fxquant.cli.rundir import open_run, rebuild_run
 from fxquant.cli.specs import build_model, parse_example_inputs
-from fxquant.config import QuantConfig
+from fxquant.errors import InputError
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    graph = sub.add_parser("graph", help="print the prepared model's FX graph as a table")
-    graph.add_argument("--model", required=True, metavar="PKG.MODULE:FACTORY")
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    graph = sub.add_parser("graph", parents=[common], help="print a run's (or a model's prepared) FX graph as a table")
+    graph.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="show the graph of the run's latest stage")
+    graph.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="or: prepare this model and show its graph")
     graph.add_argument("--weights", metavar="FILE", help="state dict to load into the model")
-    graph.add_argument("--example-inputs", required=True, metavar="SPEC", help="e.g. 1x3x224x224,1x10")
+    graph.add_argument("--example-inputs", metavar="SPEC", help="e.g. 1x3x224x224,1x10")
     graph.add_argument("--config", metavar="FILE", help="QuantConfig as .json/.yaml/.toml")
     graph.set_defaults(handler=_graph)
 
-    demo = sub.add_parser("demo", help="train a small CNN on scikit-learn's digits, quantize it, print the report")
+    inspect = sub.add_parser("inspect", parents=[common], help="what each stage of a run produced, versions, config")
+    inspect.add_argument("run_dir", metavar="RUN_DIR")
+    inspect.set_defaults(handler=_inspect)
+
+    export = sub.add_parser("export", parents=[common], help="write a converted run as TorchScript (needs only torch)")
+    export.add_argument("run_dir", metavar="RUN_DIR")
+    export.add_argument("--format", choices=("torchscript",), default="torchscript")
+    export.add_argument("-o", "--output", required=True, metavar="FILE")
+    export.add_argument("--backend", help="export for this backend instead of the one the run was converted for")
+    export.set_defaults(handler=_export)
+
+    demo = sub.add_parser("demo", parents=[common],
+                          help="train a small CNN on scikit-learn's digits, quantize it, print the report")
     demo.add_argument("--threads", type=int, default=1, help="torch threads for the latency measurement")
     demo.add_argument("--backend", default="fbgemm")
     demo.set_defaults(handler=_demo)
 
 
-def _config(path: str | None) -> QuantConfig:
-    return QuantConfig.from_file(path) if path else QuantConfig()
+def _graph_model(args: argparse.Namespace) -> Any:
+    from fxquant.api import prepare
+
+    if args.run_dir is not None:
+        if args.model or args.example_inputs:
+            raise InputError("give either RUN_DIR or --model/--example-inputs, not both")
+        directory, manifest = open_run(args.run_dir)
+        return rebuild_run(directory, manifest)[1]
+    if not args.model or not args.example_inputs:
+        raise InputError("give RUN_DIR, or --model PKG.MODULE:FACTORY with --example-inputs SPEC")
+    model = build_model(args.model, args.weights)
+    return prepare(model, parse_example_inputs(args.example_inputs), load_config(args.config))
 
 
 def _graph(args: argparse.Namespace) -> int:
-    from fxquant.api import prepare
-    from fxquant.graph_view import print_graph
+    from fxquant.graph_view import format_graph, node_role
 
-    model = build_model(args.model, args.weights)
-    print_graph(prepare(model, parse_example_inputs(args.example_inputs), _config(args.config)))
+    gm = _graph_model(args)
+    modules = dict(gm.named_modules())
+    rows = [{"op": n.op, "name": n.name, "target": str(n.target), "role": node_role(n, modules)}
+            for n in gm.graph.nodes]
+    emit(args, format_graph(gm), {"nodes": rows})
+    return 0
+
+
+def _inspect_text(directory: Path, manifest: Any, files: dict[str, str]) -> str:
+    from fxquant import __version__
+
+    source = manifest.source or {}
+    lines = [f"run directory  {directory}", f"stage          {manifest.stage}",
+             f"made with      fxquant {manifest.fxquant_version}, torch {manifest.torch_version} (now: fxquant "
+             f"{__version__})", f"model          {source.get('model', '(saved with fxquant.save)')}",
+             f"weights        {source.get('weights') or '-'}",
+             f"example inputs {source.get('example_inputs') or manifest.example_inputs}",
+             f"backend        {manifest.backend or '-'}", f"calibrated on  {manifest.calibration_samples} samples",
+             "config         " + ", ".join(f"{k}={v}" for k, v in manifest.config.items() if k != "version"),
+             "files"]
+    lines += [f"  {role:<12} {manifest.files[role]['name']}  {status}" for role, status in files.items()]
+    lines.append("history")
+    for step in manifest.history:
+        details = ", ".join(f"{k}={v}" for k, v in step.items() if k not in ("stage", "at", "fxquant_version"))
+        lines.append(f"  {step['at']}  {step['stage']:<10} {details}")
+    return "\n".join(lines)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from fxquant.artifacts.manifest import read_manifest, verify_file
+    from fxquant.errors import ArtifactError
+
+    directory = Path(args.run_dir)
+    manifest = read_manifest(directory)
+    files: dict[str, str] = {}
+    for role in manifest.files:
+        try:
+            verify_file(directory, manifest, role)
+            files[role] = "ok (SHA-256 verified)"
+        except ArtifactError as exc:
+            files[role] = f"BAD: {exc}"
+    data = {k: v for k, v in manifest.to_dict().items() if k != "graphs"}
+    emit(args, _inspect_text(directory, manifest, files), {**data, "file_status": files})
+    bad = [role for role, status in files.items() if not status.startswith("ok")]
+    if bad:
+        print(f"fxquant inspect: error: {', '.join(bad)} file(s) do not match the manifest", file=sys.stderr)
+    return 2 if bad else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from fxquant.api import convert
+    from fxquant.artifacts.export import export
+
+    directory, manifest = open_run(args.run_dir, needs="calibrated" if args.backend else "converted")
+    if args.backend and args.backend != manifest.backend:
+        _, prepared = rebuild_run(directory, manifest, stage="calibrated")
+        quantized = convert(prepared, backend=args.backend)
+    else:
+        _, quantized = rebuild_run(directory, manifest)
+    path = export(quantized, args.output, format=args.format)
+    emit(args, f"wrote {path} ({path.stat().st_size / 1024:.1f} KiB); load it with torch.jit.load, no fxquant "
+               "needed", {"output": str(path), "format": args.format, "bytes": path.stat().st_size})
     return 0
 
 

@@ -30,7 +30,8 @@ def load_object(spec: str, what: str) -> Any:
         raise InputError(f"{what} {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
-def _call(spec: str, what: str) -> Any:
+def call_object(spec: str, what: str) -> Any:
+    """Import ``PKG.MODULE:NAME`` and call it with no arguments; its exceptions become one-line ``InputError``."""
     fn = load_object(spec, what)
     if not callable(fn):
         raise InputError(f"{what} {spec!r} is not callable")
@@ -42,7 +43,7 @@ def _call(spec: str, what: str) -> Any:
 
 def build_model(spec: str, weights: str | None = None) -> nn.Module:
     """Call the factory ``spec``, optionally load a state dict (``weights_only``), and put it in eval mode."""
-    model = _call(spec, "--model")
+    model = call_object(spec, "--model")
     if not isinstance(model, nn.Module):
         raise InputError(f"--model {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
     if weights is not None:
@@ -51,14 +52,15 @@ def build_model(spec: str, weights: str | None = None) -> nn.Module:
         try:
             model.load_state_dict(load_tensors(weights))
         except RuntimeError as exc:
-            raise InputError(f"--weights {weights!r} does not fit {spec!r}: {str(exc).splitlines()[0]}") from None
+            detail = " ".join(line.strip() for line in str(exc).splitlines()[1:] if line.strip())
+            raise InputError(f"--weights {weights!r} does not fit {spec!r}: {detail[:300]}") from None
     return model.eval()
 
 
 def parse_example_inputs(spec: str) -> tuple[Any, ...]:
     """``1x3x224x224,1x10`` -> random float tensors of those shapes; ``PKG.MODULE:FUNCTION`` -> its tuple."""
     if ":" in spec:
-        value = _call(spec, "--example-inputs")
+        value = call_object(spec, "--example-inputs")
         return tuple(value) if isinstance(value, (tuple, list)) else (value,)
     shapes = [s.strip() for s in spec.split(",")]
     bad = [s for s in shapes if not _SHAPE.match(s)]

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from fxquant.qparams import UINT8_RANGE, QParams
+from fxquant.qparams import dequantize as dequantize_weight
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,8 @@ class ConvSpec:
     padding: tuple[int, ...]
     dilation: tuple[int, ...]
     groups: int
+    transposed: bool = False
+    output_padding: tuple[int, ...] = ()
 
     @property
     def depthwise_like(self) -> bool:
@@ -94,6 +97,40 @@ class Backend(ABC):
     @abstractmethod
     def adaptive_avg_pool(self, a: torch.Tensor, qp: QParams, output_size: Any) -> torch.Tensor:
         """Adaptive average pooling (any dim); the output keeps ``qp``."""
+
+    def max_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:
+        """``F.max_poolNd(a, **kwargs)``: order-preserving, so it runs on the integers (1-d through the 2-d kernel,
+        which, unlike the 1-d one, accepts uint8)."""
+        if dim == 1:
+            options: dict[str, Any] = dict(kwargs)
+            options["stride"] = options.get("stride") or options["kernel_size"]
+            for key, neutral in (("kernel_size", 1), ("stride", 1), ("padding", 0), ("dilation", 1)):
+                if key in options:
+                    value = options[key]
+                    options[key] = (neutral, value if isinstance(value, int) else value[0])
+            return torch.nn.functional.max_pool2d(a.unsqueeze(-2), **options).squeeze(-2)
+        fn = torch.nn.functional.max_pool2d if dim == 2 else torch.nn.functional.max_pool3d
+        return fn(a, **kwargs)
+
+    def mul(self, a: torch.Tensor, b: torch.Tensor, qa: QParams, qb: QParams, qout: QParams) -> torch.Tensor:
+        """Element-wise product; this default computes in float between a dequantize and a quantize."""
+        return self.quantize(self.dequantize(a, qa) * self.dequantize(b, qb), qout)
+
+    def cat(self, values: list[torch.Tensor], qps: list[QParams], qout: QParams, dim: int) -> torch.Tensor:
+        """Concatenation requantized to ``qout``; this default goes through float."""
+        return self.quantize(torch.cat([self.dequantize(v, qp) for v, qp in zip(values, qps, strict=True)], dim), qout)
+
+    def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
+                               spec: ConvSpec) -> PackedWeight:
+        """Transposed convolutions; this default keeps the dequantized weight for a float computation."""
+        return PackedWeight(self.name, (spec, dequantize_weight(weight, w_qp), bias))
+
+    def conv_transpose(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams) -> torch.Tensor:
+        spec, weight, bias = packed.payload
+        fn = torch.nn.functional.conv_transpose1d if spec.dim == 1 else torch.nn.functional.conv_transpose2d
+        out = fn(self.dequantize(a, in_qp), weight, bias, spec.stride, spec.padding, spec.output_padding,
+                 spec.groups, spec.dilation)
+        return self.quantize(out, out_qp)
 
     @abstractmethod
     def avg_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:

@@ -8,7 +8,8 @@ Why the accumulators are exact:
 
 * linear uses ``torch._int_mm`` (int8 x int8 -> int32; on CPU it takes any shape). The uint8 activation is shifted
   to int8 by subtracting 128 and the shift is added back as ``(128 - zp) * sum(w)``; every product is at most
-  ``2**14`` in magnitude, so int32 cannot overflow below ``K = 2**17`` inputs. Longer rows use float64.
+  ``2**14`` in magnitude, so int32 cannot overflow below ``K = 2**17`` inputs. Longer rows use float64, and so do
+  rows of a single input: with ``K == 1`` torch 2.13's CPU ``_int_mm`` returns garbage.
 * conv and long linears run float64 ``F.conv``/``matmul`` on the integers ``q_x - zp_x`` and ``q_w``. Each product is
   below ``2**15`` and every partial sum stays far below ``2**53``, so each float64 operation is exact whatever the
   summation order (BLAS blocking, FMA). PyTorch's float64 CPU convolution is direct/im2col; the transforms that are
@@ -47,7 +48,7 @@ def integer_linear(a: torch.Tensor, zero_point: int, weight: torch.Tensor) -> to
     """``(a - zero_point) @ weight.T`` for uint8 ``a`` and int8 ``weight``, exactly, as float64 integers."""
     k = a.shape[-1]
     rows = a.reshape(-1, k)
-    if k < _INT32_SAFE_K:
+    if 1 < k < _INT32_SAFE_K:
         shifted = (rows.to(torch.int16) - 128).to(torch.int8)
         acc = torch._int_mm(shifted, weight.t()).to(torch.float64)
         acc += (128 - zero_point) * weight.sum(1, dtype=torch.int64).to(torch.float64)

@@ -138,3 +138,27 @@ def accuracy(model: nn.Module, loader: DataLoader) -> float:
     finally:
         model.train(was_training)
     return correct / max(seen, 1)
+
+
+# Zero-argument entry points, so the command line can name them (``--model fxquant.models.digits:trained_digits_cnn``,
+# ``--data fxquant.models.digits:digits_calibration_data``).
+@functools.lru_cache(maxsize=1)
+def _trained_state() -> dict[str, torch.Tensor]:
+    return train_digits_cnn().state_dict()
+
+
+def trained_digits_cnn() -> DigitsCNN:
+    """A ``DigitsCNN`` trained with the default seed (trained once per process, then copied)."""
+    model = DigitsCNN()
+    model.load_state_dict(_trained_state())
+    return model.eval()
+
+
+def digits_calibration_data() -> DataLoader:
+    """``(images, labels)`` batches of the ``calib`` split, for ``fxquant calibrate --data``."""
+    return digits_loader("calib")
+
+
+def digits_eval_data() -> DataLoader:
+    """``(images, labels)`` batches of the ``test`` split, for ``fxquant report --data``."""
+    return digits_loader("test")

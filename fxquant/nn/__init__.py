@@ -5,12 +5,12 @@ from fxquant.nn.quantized import (
     DeQuantize,
     Quantize,
     QuantizedAdd,
-    QuantizedAvgPool,
     QuantizedConv1d,
     QuantizedConv2d,
     QuantizedConv3d,
     QuantizedConvNd,
     QuantizedLinear,
+    QuantizedPool,
     QuantizedReLU,
 )
 
@@ -19,7 +19,7 @@ __all__ = [
     "Fused",
     "Quantize",
     "QuantizedAdd",
-    "QuantizedAvgPool",
+    "QuantizedPool",
     "QuantizedConv1d",
     "QuantizedConv2d",
     "QuantizedConv3d",

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-COMPUTE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+COMPUTE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
+                                               nn.ConvTranspose2d)
 
 
 class Fused(nn.Module):

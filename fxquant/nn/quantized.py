@@ -114,6 +114,30 @@ class QuantizedConvNd(_QuantizedWeighted):
         return self.backend.conv(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
 
 
+class QuantizedConvTransposeNd(_QuantizedWeighted):
+    """INT8 ``nn.ConvTransposeNd`` (weights per tensor: no kernel takes per-channel transposed weights)."""
+
+    def __init__(self, spec: ConvSpec, *args: Any, **kwargs: Any) -> None:
+        self.spec = spec
+        super().__init__(*args, **kwargs)
+
+    def relower(self, backend: Backend) -> None:
+        super().relower(backend)
+        self._packed = backend.prepack_conv_transpose(self.weight, self.w_qp, self.bias, self.spec)
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        out = self.backend.conv_transpose(a, self._packed, self.in_qp, self.out_qp)
+        return self.backend.relu(out, self.out_qp) if self.relu else out
+
+
+class QuantizedConvTranspose1d(QuantizedConvTransposeNd):
+    """INT8 ``nn.ConvTranspose1d``."""
+
+
+class QuantizedConvTranspose2d(QuantizedConvTransposeNd):
+    """INT8 ``nn.ConvTranspose2d``."""
+
+
 class QuantizedConv1d(QuantizedConvNd):
     """INT8 ``nn.Conv1d``."""
 
@@ -137,6 +161,28 @@ class QuantizedAdd(_BackendModule):
         return self.backend.add(a, b, self.qa, self.qb, self.out_qp, relu=self.relu)
 
 
+class QuantizedMul(_BackendModule):
+    """INT8 element-wise product of two int8 values."""
+
+    def __init__(self, qa: QParams, qb: QParams, qout: QParams, *, backend: Backend) -> None:
+        super().__init__(backend)
+        self.qa, self.qb, self.out_qp = qa, qb, qout
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.backend.mul(a, b, self.qa, self.qb, self.out_qp)
+
+
+class QuantizedCat(_BackendModule):
+    """Concatenation of int8 values, requantized to one output scale (U-Net skips, Inception branches)."""
+
+    def __init__(self, qps: list[QParams], qout: QParams, *, dim: int, backend: Backend) -> None:
+        super().__init__(backend)
+        self.qps, self.out_qp, self.dim = qps, qout, dim
+
+    def forward(self, values: list[torch.Tensor]) -> torch.Tensor:
+        return self.backend.cat(list(values), self.qps, self.out_qp, self.dim)
+
+
 class QuantizedReLU(_BackendModule):
     """ReLU on an int8 value: the output keeps the input's qparams."""
 
@@ -148,17 +194,23 @@ class QuantizedReLU(_BackendModule):
         return self.backend.relu(a, self.qp)
 
 
-class QuantizedAvgPool(_BackendModule):
-    """Average pooling (fixed or adaptive) on an int8 value: the output keeps the input's qparams."""
+class QuantizedPool(_BackendModule):
+    """Max, average or adaptive-average pooling on an int8 value: the output keeps the input's qparams."""
 
-    def __init__(self, qp: QParams, backend: Backend, *, dim: int, adaptive: bool, options: dict[str, Any]) -> None:
+    def __init__(self, qp: QParams, backend: Backend, *, kind: str, dim: int, options: dict[str, Any]) -> None:
         super().__init__(backend)
-        self.qp, self.dim, self.adaptive, self.options = qp, dim, adaptive, options
+        self.qp, self.kind, self.dim, self.options = qp, kind, dim, options
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
-        if self.adaptive:
+        if self.kind == "adaptive_avg":
             return self.backend.adaptive_avg_pool(a, self.qp, self.options["output_size"])
+        if self.kind == "max":
+            return self.backend.max_pool(a, self.qp, self.dim, self.options)
         return self.backend.avg_pool(a, self.qp, self.dim, self.options)
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, dim={self.dim}, {self.options}, backend={self.backend.name}"
 
 
 QUANTIZED_CONV = {1: QuantizedConv1d, 2: QuantizedConv2d, 3: QuantizedConv3d}
+QUANTIZED_CONV_TRANSPOSE = {1: QuantizedConvTranspose1d, 2: QuantizedConvTranspose2d}

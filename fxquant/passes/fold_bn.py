@@ -10,7 +10,18 @@ from torch import fx, nn
 from fxquant.passes._graph import finish, modules_of, nodes_of, only_user, replace_submodule
 
 _BN_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-_FOLDABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_FOLDABLE = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d)
+
+
+def _out_axis(layer: nn.Module) -> int:
+    """Output channels are axis 0 of a weight, except for transposed convs (in, out/groups, k...)."""
+    return 1 if isinstance(layer, nn.modules.conv._ConvTransposeNd) else 0
+
+
+def _out_channels(layer: nn.Module) -> int:
+    if isinstance(layer, nn.modules.conv._ConvTransposeNd) and layer.groups != 1:
+        return -1  # grouped transposed weights interleave groups on axis 1: not folded
+    return int(_weight(layer).shape[_out_axis(layer)])
 
 
 def _weight(layer: nn.Module) -> torch.Tensor:
@@ -30,7 +41,9 @@ def fold_into(layer: nn.Module, bn: nn.modules.batchnorm._BatchNorm) -> nn.Modul
     beta = bn.bias if bn.bias is not None else torch.zeros_like(inv_std)
     factor = gamma * inv_std
     weight = _weight(fused)
-    weight.copy_(weight * factor.reshape([-1] + [1] * (weight.dim() - 1)))
+    shape = [1] * weight.dim()
+    shape[_out_axis(layer)] = -1
+    weight.copy_(weight * factor.reshape(shape))
     bias = fused.bias if isinstance(fused.bias, torch.Tensor) else torch.zeros_like(mean)
     fused.bias = nn.Parameter((bias - mean) * factor + beta)
     return fused
@@ -47,7 +60,7 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         layer = modules[str(producer.target)]
         if only_user(producer) is not node or type(layer) not in _FOLDABLE or not bn.track_running_stats:
             continue
-        if bn.num_features != _weight(layer).shape[0]:
+        if bn.num_features != _out_channels(layer):
             continue
         replace_submodule(gm, str(producer.target), fold_into(layer, bn))
         node.replace_all_uses_with(producer)

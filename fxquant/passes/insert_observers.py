@@ -14,7 +14,7 @@ from torch import fx
 from fxquant.config import LayerSettings, QuantConfig
 from fxquant.observers import Observer, get_activation_observer
 from fxquant.passes._graph import finish, modules_of, nodes_of
-from fxquant.patterns import OpKind, classify, tensor_input
+from fxquant.patterns import OpKind, classify, join_inputs, tensor_input
 
 OBSERVER_PREFIX = "observer_"
 
@@ -75,8 +75,8 @@ def insert_observers(gm: fx.GraphModule, config: QuantConfig) -> fx.GraphModule:
             if value not in state.int8:
                 _observe_input(state, node, value, settings)
             _observe_output(state, node, settings, str(node.target))
-        elif kind is OpKind.BINARY:
-            args = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        elif kind in (OpKind.BINARY, OpKind.JOIN):
+            args = join_inputs(node) if kind is OpKind.JOIN else [a for a in node.args[:2] if isinstance(a, fx.Node)]
             if not any(a in state.int8 for a in args):
                 continue
             for arg in args:

@@ -15,17 +15,20 @@ from fxquant.kernels.base import Backend, ConvSpec
 from fxquant.nn.fused import Fused, add_relu, compute_module
 from fxquant.nn.quantized import (
     QUANTIZED_CONV,
+    QUANTIZED_CONV_TRANSPOSE,
     DeQuantize,
     Quantize,
     QuantizedAdd,
-    QuantizedAvgPool,
+    QuantizedCat,
     QuantizedLinear,
+    QuantizedMul,
+    QuantizedPool,
     QuantizedReLU,
 )
 from fxquant.observers import Observer, get_weight_observer
 from fxquant.passes._graph import finish, modules_of, nodes_of, only_user, replace_submodule
-from fxquant.passes.value_ops import value_module_options
-from fxquant.patterns import OpKind, classify, tensor_input
+from fxquant.passes.value_ops import pool_options
+from fxquant.patterns import OpKind, classify, is_mul, join_dim, join_inputs, tensor_input
 from fxquant.qparams import QParams, quantize
 
 _DROPPED = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Identity)
@@ -107,8 +110,14 @@ def _absorb_observer(low: _Lowering, node: fx.Node) -> tuple[fx.Node, QParams]:
 
 
 def weight_qparams(config: QuantConfig, path: str, layer: nn.Linear | nn.modules.conv._ConvNd) -> QParams:
-    """Symmetric int8 qparams of ``layer``'s weight with the weight observer the config gives ``path``."""
-    return get_weight_observer(config.settings_for(path).weight)().qparams(layer.weight)
+    """Symmetric int8 qparams of ``layer``'s weight with the weight observer the config gives ``path``.
+
+    Transposed convolutions get per-tensor weights: no int8 kernel accepts per-channel transposed weights.
+    """
+    scheme = config.settings_for(path).weight
+    if isinstance(layer, nn.modules.conv._ConvTransposeNd):
+        scheme = "per_tensor"
+    return get_weight_observer(scheme)().qparams(layer.weight)
 
 
 def _lower_compute(low: _Lowering, node: fx.Node) -> None:
@@ -125,8 +134,9 @@ def _lower_compute(low: _Lowering, node: fx.Node) -> None:
         qmodule: nn.Module = QuantizedLinear(*parts, relu=relu, backend=low.backend)
     else:
         spec = ConvSpec(len(inner.kernel_size), tuple(inner.stride), tuple(inner.padding),  # type: ignore[arg-type]
-                        tuple(inner.dilation), inner.groups)
-        qmodule = QUANTIZED_CONV[spec.dim](spec, *parts, relu=relu, backend=low.backend)
+                        tuple(inner.dilation), inner.groups, inner.transposed, tuple(inner.output_padding))
+        table = QUANTIZED_CONV_TRANSPOSE if spec.transposed else QUANTIZED_CONV
+        qmodule = table[spec.dim](spec, *parts, relu=relu, backend=low.backend)
     replace_submodule(low.gm, path, qmodule)
     low.qparams[node] = out_qp
 
@@ -134,20 +144,29 @@ def _lower_compute(low: _Lowering, node: fx.Node) -> None:
 def _lower_binary(low: _Lowering, node: fx.Node) -> None:
     a, b = node.args[:2]
     qa, qb = low.qparams[a], low.qparams[b]  # type: ignore[index]
-    relu = node.target is add_relu
+    mul = is_mul(node)
     node, out_qp = _absorb_observer(low, node)
-    new = low.swap_to_module(node, "add", QuantizedAdd(qa, qb, out_qp, relu=relu, backend=low.backend), (a, b))
-    low.qparams[new] = out_qp
+    module: nn.Module = (QuantizedMul(qa, qb, out_qp, backend=low.backend) if mul else
+                         QuantizedAdd(qa, qb, out_qp, relu=node.target is add_relu, backend=low.backend))
+    low.qparams[low.swap_to_module(node, "mul" if mul else "add", module, (a, b))] = out_qp
+
+
+def _lower_join(low: _Lowering, node: fx.Node) -> None:
+    values = join_inputs(node)
+    dim = join_dim(node)
+    node, out_qp = _absorb_observer(low, node)
+    module = QuantizedCat([low.qparams[v] for v in values], out_qp, dim=dim, backend=low.backend)
+    low.qparams[low.swap_to_module(node, "cat", module, (values,))] = out_qp
 
 
 def _lower_value(low: _Lowering, node: fx.Node, qp: QParams) -> None:
-    spec = value_module_options(node, low.modules)
+    spec = pool_options(node, low.modules)
     if spec is None:  # a ReLU
         new = low.swap_to_module(node, "relu", QuantizedReLU(qp, low.backend), (tensor_input(node),))
     else:
-        dim, adaptive, options = spec
-        module = QuantizedAvgPool(qp, low.backend, dim=dim, adaptive=adaptive, options=options)
-        new = low.swap_to_module(node, "avg_pool", module, (tensor_input(node),))
+        kind, dim, options = spec
+        module = QuantizedPool(qp, low.backend, kind=kind, dim=dim, options=options)
+        new = low.swap_to_module(node, f"{kind}_pool", module, (tensor_input(node),))
     low.qparams[new] = qp
 
 
@@ -173,6 +192,8 @@ def _lower_node(low: _Lowering, node: fx.Node) -> None:
         _lower_compute(low, node)
     elif kind is OpKind.BINARY and observed and all(a in low.qparams for a in node.args[:2]):
         _lower_binary(low, node)
+    elif kind is OpKind.JOIN and observed and all(v in low.qparams for v in join_inputs(node)):
+        _lower_join(low, node)
     elif kind is OpKind.STRUCTURAL and node.op == "call_module" and isinstance(
             low.modules[str(node.target)], _DROPPED):
         node.replace_all_uses_with(source)  # type: ignore[arg-type]

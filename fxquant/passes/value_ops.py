@@ -1,4 +1,4 @@
-"""Read the options of a ReLU / average-pool node, in module, function or method form, into one shape."""
+"""Read the options of a ReLU / pooling node, in module, function or method form, into one shape."""
 
 from __future__ import annotations
 
@@ -8,30 +8,37 @@ from typing import Any
 import torch.nn.functional as F
 from torch import fx, nn
 
-_AVG_PARAMS = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
-_FUNCTIONS: dict[Any, tuple[int, bool]] = {
-    F.adaptive_avg_pool1d: (1, True), F.adaptive_avg_pool2d: (2, True), F.adaptive_avg_pool3d: (3, True),
-    F.avg_pool1d: (1, False), F.avg_pool2d: (2, False), F.avg_pool3d: (3, False),
+_PARAMS = {
+    "avg": ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+    "max": ("kernel_size", "stride", "padding", "dilation", "ceil_mode"),
+    "adaptive_avg": ("output_size",),
 }
-_MODULES: dict[type[nn.Module], tuple[int, bool]] = {
-    nn.AdaptiveAvgPool1d: (1, True), nn.AdaptiveAvgPool2d: (2, True), nn.AdaptiveAvgPool3d: (3, True),
-    nn.AvgPool1d: (1, False), nn.AvgPool2d: (2, False), nn.AvgPool3d: (3, False),
+_FUNCTIONS: dict[Any, tuple[str, int]] = {
+    F.adaptive_avg_pool1d: ("adaptive_avg", 1), F.adaptive_avg_pool2d: ("adaptive_avg", 2),
+    F.adaptive_avg_pool3d: ("adaptive_avg", 3), F.avg_pool1d: ("avg", 1), F.avg_pool2d: ("avg", 2),
+    F.avg_pool3d: ("avg", 3), F.max_pool1d: ("max", 1), F.max_pool2d: ("max", 2), F.max_pool3d: ("max", 3),
 }
+_MODULES: dict[type[nn.Module], tuple[str, int]] = {
+    nn.AdaptiveAvgPool1d: ("adaptive_avg", 1), nn.AdaptiveAvgPool2d: ("adaptive_avg", 2),
+    nn.AdaptiveAvgPool3d: ("adaptive_avg", 3), nn.AvgPool1d: ("avg", 1), nn.AvgPool2d: ("avg", 2),
+    nn.AvgPool3d: ("avg", 3), nn.MaxPool1d: ("max", 1), nn.MaxPool2d: ("max", 2), nn.MaxPool3d: ("max", 3),
+}
+POOL_FUNCTIONS = frozenset(_FUNCTIONS)
+POOL_MODULES: tuple[type[nn.Module], ...] = tuple(_MODULES)
 
 
-def value_module_options(node: fx.Node, modules: Mapping[str, nn.Module]) -> tuple[int, bool, dict] | None:
-    """``None`` for a ReLU; ``(dim, adaptive, options)`` for an average pool."""
+def pool_options(node: fx.Node, modules: Mapping[str, nn.Module]) -> tuple[str, int, dict[str, Any]] | None:
+    """``None`` for a ReLU; ``(kind, dim, options)`` for a pool (kind: avg, max, adaptive_avg)."""
     if node.op == "call_module":
         module = modules[str(node.target)]
         if type(module) not in _MODULES:
             return None
-        dim, adaptive = _MODULES[type(module)]
-        names = ("output_size",) if adaptive else _AVG_PARAMS
-        return dim, adaptive, {n: getattr(module, n) for n in names if hasattr(module, n)}
+        kind, dim = _MODULES[type(module)]
+        return kind, dim, {n: getattr(module, n) for n in _PARAMS[kind] if hasattr(module, n)}
     if node.op == "call_function" and node.target in _FUNCTIONS:
-        dim, adaptive = _FUNCTIONS[node.target]
-        names = ("output_size",) if adaptive else _AVG_PARAMS
-        options = dict(zip(names, node.args[1:], strict=False))
+        kind, dim = _FUNCTIONS[node.target]
+        options = dict(zip(_PARAMS[kind], node.args[1:], strict=False))
         options.update(node.kwargs)
-        return dim, adaptive, options
+        options.pop("return_indices", None)
+        return kind, dim, options
     return None

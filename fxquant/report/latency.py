@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,13 @@ class LatencyStats:
 
     def to_dict(self) -> dict[str, float | int]:
         return {"median": self.median, "p90": self.p90, "min": self.min, "max": self.max, "runs": self.runs}
+
+    @classmethod
+    def from_numbers(cls, median: float, p90: float, extra: Mapping[str, float | int] | None = None) -> LatencyStats:
+        """Stats read back from a report: reports written by hand or by older tools may hold only median and p90."""
+        extra = extra or {}
+        return cls(float(median), float(p90), float(extra.get("min", median)), float(extra.get("max", p90)),
+                   int(extra.get("runs", 0)))
 
 
 @contextlib.contextmanager
@@ -52,7 +60,7 @@ def _converged(samples: Sequence[float], rel_ci: float) -> bool:
     return half_width <= rel_ci * statistics.median(samples)
 
 
-def measure_latency(fns: dict[str, Callable[[], Any]], *, warmup: int = 3, min_runs: int = 5, max_runs: int = 200,
+def measure_latency(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 3, min_runs: int = 5, max_runs: int = 200,
                     time_budget_s: float = 10.0, rel_ci: float = 0.02,
                     threads: int | None = None) -> dict[str, LatencyStats]:
     """Time each zero-argument callable in ``fns``, interleaved round by round, under ``torch.inference_mode``.
@@ -75,3 +83,32 @@ def measure_latency(fns: dict[str, Callable[[], Any]], *, warmup: int = 3, min_r
             if enough or time.perf_counter() > deadline:
                 break
     return {name: _stats(s) for name, s in samples.items()}
+
+
+def resize_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any], batch_size: int) -> tuple[tuple[Any, ...],
+                                                                                              dict[str, Any]]:
+    """The inputs of one batch cut or tiled along dim 0 to ``batch_size`` rows, so any batch size can be timed."""
+    def resize(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return value
+        repeats = -(-batch_size // value.shape[0])
+        return value.repeat(repeats, *[1] * (value.dim() - 1))[:batch_size]
+
+    return tuple(resize(v) for v in args), {k: resize(v) for k, v in kwargs.items()}
+
+
+def measure_batch_sizes(models: Mapping[str, Callable[..., Any]], inputs: tuple[tuple[Any, ...], Mapping[str, Any]],
+                        batch_sizes: Sequence[int], *, time_budget_s: float = 10.0,
+                        threads: int | None = None) -> list[tuple[int, dict[str, LatencyStats]]]:
+    """``measure_latency`` of every model at every batch size, the models interleaved at each size.
+
+    ``inputs`` is one batch as ``(args, kwargs)``; it is resized per batch size with :func:`resize_batch`. The time
+    budget is shared equally between batch sizes.
+    """
+    results = []
+    for batch_size in batch_sizes:
+        args, kwargs = resize_batch(inputs[0], inputs[1], batch_size)
+        fns = {name: functools.partial(model, *args, **kwargs) for name, model in models.items()}
+        stats = measure_latency(fns, time_budget_s=time_budget_s / len(batch_sizes), threads=threads)
+        results.append((batch_size, stats))
+    return results

@@ -10,8 +10,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
+from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
+from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import INT8_RANGE, QParams, affine_qparams, dequantize, fake_quantize
 
 FLOAT_CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -119,3 +123,56 @@ def run_linear(backend: Backend, layer: Layer, out_qp: QParams, *, relu: bool) -
     packed: PackedWeight = backend.prepack_linear(layer.q_w, layer.w_qp, layer.bias)
     out = backend.linear(backend.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=relu)
     return backend.dequantize(out, out_qp)
+
+
+def reference_backend() -> Backend:
+    return get_backend("reference")
+
+
+def backends_under_test() -> list[str]:
+    """Every backend this machine can run, except the reference they are compared with."""
+    return [name for name in available_backends() if name != "reference"]
+
+
+def conv_supported(backend: Backend, dim: int) -> bool:
+    """Whether ``backend`` runs convNd at all (it raises BackendUnavailableError at prepack if not)."""
+    spec = ConvSpec(dim, (1,) * dim, (0,) * dim, (1,) * dim, 1)
+    q_w, w_qp = weight((1, 1, *([1] * dim)), False, torch.Generator().manual_seed(0))
+    in_qp = QParams(torch.tensor(0.1), torch.tensor(0), 0, 255)
+    try:
+        backend.prepack_conv(q_w, w_qp, None, spec, in_qp=in_qp)
+    except BackendUnavailableError:
+        return False
+    return True
+
+
+@st.composite
+def conv_cases(draw: st.DrawFn, dim: int) -> ConvCase:
+    """Small convolutions with odd channel counts, groups, depthwise (with channel multipliers), stride, padding
+    and dilation, including inputs where some outputs read padding only or are one column wide."""
+    groups = draw(st.sampled_from((1, 1, 2, 3, 5, 8)))
+    in_per_group = draw(st.sampled_from((1, 1, 2, 3))) if groups > 1 else draw(st.integers(1, 7))
+    out_per_group = draw(st.integers(1, 3))
+    kernel = tuple(draw(st.integers(1, 3)) for _ in range(dim))
+    stride = tuple(draw(st.integers(1, 2)) for _ in range(dim))
+    padding = tuple(draw(st.integers(0, 2)) for _ in range(dim))
+    dilation = tuple(draw(st.integers(1, 2)) for _ in range(dim))
+    largest = 8 if dim < 3 else 5
+    size = tuple(
+        draw(st.integers(max(1, d * (k - 1) + 1 - 2 * p), largest))
+        for k, p, d in zip(kernel, padding, dilation, strict=True)
+    )
+    spec = ConvSpec(dim, stride, padding, dilation, groups)
+    flags = draw(st.tuples(st.booleans(), st.booleans(), st.booleans()))
+    return ConvCase(spec, draw(st.integers(1, 2)), groups * in_per_group, groups * out_per_group, kernel, size,
+                    *flags)
+
+
+@st.composite
+def linear_shapes(draw: st.DrawFn) -> tuple[tuple[int, ...], int, int]:
+    """(leading dims, in_features, out_features), covering batch 1, batches above 16 and K == 1."""
+    lead = tuple(draw(st.lists(st.sampled_from((1, 2, 3, 17, 40)), min_size=1, max_size=3)))
+    return lead, draw(st.sampled_from((1, 2, 7, 8, 33, 64))), draw(st.integers(1, 40))
+
+
+CONTRACT = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,87 @@
+"""Export a converted model for deployment where fxquant is not installed: a TorchScript file.
+
+fxquant's INT8 modules call their backend through Python objects, so ``torch.jit.script`` cannot compile them; but
+``torch.jit.trace`` records the tensor operations they run. On fbgemm/qnnpack those are ``torch.ops.quantized``
+kernels whose prepacked weights are TorchScript objects: tracing needs them reachable as module attributes, so they
+are attached for the duration of the trace. The resulting file needs only torch (``torch.jit.load``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxquant.errors import ArtifactError, InputError
+from fxquant.kernels.base import PackedWeight
+from fxquant.serialization import atomic_write
+from fxquant.state import quant_state
+
+FORMATS = ("torchscript",)
+_ATTR = "_fxquant_export_packed"
+
+
+def _script_objects(value: Any) -> Iterator[torch.ScriptObject]:
+    if isinstance(value, torch.ScriptObject):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _script_objects(item)
+
+
+@contextlib.contextmanager
+def _packed_weights_as_attributes(model: nn.Module) -> Iterator[None]:
+    """Attach every prepacked TorchScript object to the module holding it, so ``torch.jit.trace`` can find it."""
+    added: list[tuple[nn.Module, str]] = []
+    try:
+        for module in model.modules():
+            packed = [v for v in vars(module).values() if isinstance(v, PackedWeight)]
+            for index, obj in enumerate(o for p in packed for o in _script_objects(p.payload)):
+                setattr(module, f"{_ATTR}_{index}", obj)
+                added.append((module, f"{_ATTR}_{index}"))
+        yield
+    finally:
+        for module, name in added:
+            delattr(module, name)
+
+
+def _trace(model: fx.GraphModule, example_inputs: tuple[Any, ...], backend: str) -> torch.jit.ScriptModule:
+    try:
+        with _packed_weights_as_attributes(model), torch.no_grad():
+            traced = torch.jit.trace(model, example_inputs, check_trace=False)
+    except Exception as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ArtifactError(f"backend {backend!r} cannot be exported to TorchScript ({reason}); convert for "
+                            "'fbgemm', 'qnnpack' or 'reference' (fxquant convert RUN_DIR --backend fbgemm) and "
+                            "export that") from None
+    return traced
+
+
+def export(model: fx.GraphModule, path: str | Path, *, format: str = "torchscript",
+           example_inputs: tuple[Any, ...] | None = None) -> Path:
+    """Write the converted ``model`` as a TorchScript file that loads with plain ``torch.jit.load``.
+
+    ``example_inputs`` defaults to random tensors of the shapes given to ``prepare``; the batch dimension stays
+    free. Example::
+
+        fxquant.export(qmodel, "digits-int8.pt")
+        # elsewhere, with only torch installed:  torch.jit.load("digits-int8.pt")(images)
+    """
+    if format not in FORMATS:
+        raise InputError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
+    state = quant_state(model)
+    if state.stage != "converted":
+        raise InputError("export() takes a converted model (fxquant.convert(prepared)), not a prepared one")
+    if example_inputs is None:
+        with torch.random.fork_rng(devices=[]):
+            example_inputs = tuple(spec.make() for spec in state.example_inputs)
+    traced = _trace(model, example_inputs, state.backend or state.config.backend)
+    buffer = io.BytesIO()
+    torch.jit.save(traced, buffer)
+    atomic_write(path, buffer.getvalue())
+    return Path(path)

@@ -1,0 +1,48 @@
+"""Helpers shared by the subcommands: output (text or ``--json``), option types, config and data options."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from fxquant.cli.data import DataOptions
+from fxquant.config import QuantConfig
+
+
+def emit(args: argparse.Namespace, text: str, data: dict[str, Any]) -> None:
+    """Print ``text`` for people, or ``data`` as JSON with ``--json`` (stdout carries nothing else then)."""
+    if args.json:
+        print(json.dumps({"ok": True, "command": args.command, **data}, indent=2, default=str))
+    elif text:
+        print(text)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def load_config(path: str | None) -> QuantConfig:
+    return QuantConfig.from_file(path) if path else QuantConfig()
+
+
+def add_data_arguments(parser: argparse.ArgumentParser, *, split: str) -> None:
+    """``--data`` and the options that shape it (see :mod:`fxquant.cli.data`)."""
+    parser.add_argument("--data", required=True, metavar="SPEC",
+                        help="PKG.MODULE:FUNCTION, a save_to_disk directory, a hub dataset name, or .npy/.npz/.pt")
+    parser.add_argument("--batch-size", type=positive_int, default=32,
+                        help="rows per batch for tensor files and datasets (default: 32)")
+    parser.add_argument("--columns", metavar="A,B", help="dataset columns / .npz arrays to feed, in order")
+    parser.add_argument("--transform", metavar="PKG.MODULE:FUNCTION", help="applied to each batch")
+    parser.add_argument("--split", default=split, help=f"dataset split (default: {split})")
+
+
+def data_options(args: argparse.Namespace) -> DataOptions:
+    columns = tuple(c.strip() for c in args.columns.split(",") if c.strip()) if args.columns else ()
+    return DataOptions(args.data, args.batch_size, columns, args.transform, args.split)

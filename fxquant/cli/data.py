@@ -1,0 +1,212 @@
+"""``--data SPEC``: turn what a user names on the command line into an iterable of batches.
+
+Accepted, tried in this order:
+
+* an ``.npy`` / ``.npz`` / ``.pt`` file of tensors (``.pt`` loads with ``weights_only``; nothing is unpickled): cut
+  into batches of ``--batch-size`` rows. An ``.npz`` or a tuple/list in a ``.pt`` gives tuples of its arrays (e.g.
+  ``(images, labels)``); a dict in a ``.pt`` gives dicts unless ``--columns`` picks and orders its keys;
+* a directory written by Hugging Face ``datasets`` (``save_to_disk``): read ``--batch-size`` rows at a time as dicts
+  of tensors, or tuples of the ``--columns`` given;
+* ``PKG.MODULE:FUNCTION``: called with no arguments, it returns any iterable of batches (a DataLoader, a list...);
+* otherwise a Hugging Face hub dataset name, loaded with ``datasets.load_dataset`` when the network allows.
+
+``--transform PKG.MODULE:FUNCTION`` is applied to each batch (after loading, before ``--columns``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import socket
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+import torch
+
+from fxquant.cli.specs import call_object, load_object
+from fxquant.errors import InputError
+from fxquant.serialization import load_tensors
+
+_CODE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """The ``--data`` family of options of one command."""
+
+    spec: str
+    batch_size: int = 32
+    columns: tuple[str, ...] = ()
+    transform: str | None = None
+    split: str = "train"
+
+
+class Batches:
+    """A re-iterable sequence of batches with a length (so progress bars know the total)."""
+
+    def __init__(self, make: Callable[[], Iterator[Any]], length: int | None) -> None:
+        self._make, self._length = make, length
+
+    def __iter__(self) -> Iterator[Any]:
+        return self._make()
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("length unknown")
+        return self._length
+
+
+def _select(batch: Any, columns: tuple[str, ...], where: str) -> Any:
+    if not columns:
+        return batch
+    if not isinstance(batch, dict):
+        raise InputError(f"--columns needs batches with named columns, but {where} yields {type(batch).__name__}")
+    for column in columns:
+        if column not in batch:
+            near = difflib.get_close_matches(column, list(batch), n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise InputError(f"--columns: {where} has no column {column!r}.{hint} Columns: {', '.join(batch)}")
+    return tuple(batch[c] for c in columns)
+
+
+def _finish(source: Iterable[Any], opts: DataOptions, length: int | None) -> Batches:
+    """Apply ``--transform`` and ``--columns`` lazily to each batch of ``source``."""
+    transform = load_object(opts.transform, "--transform") if opts.transform else None
+    if transform is not None and not callable(transform):
+        raise InputError(f"--transform {opts.transform!r} is not callable")
+
+    def make() -> Iterator[Any]:
+        for batch in source:
+            yield _select(transform(batch) if transform else batch, opts.columns, f"--data {opts.spec!r}")
+
+    return Batches(make, length)
+
+
+def _rows(columns: list[torch.Tensor], opts: DataOptions, single: bool) -> Batches:
+    rows = {len(c) for c in columns}
+    if len(rows) != 1:
+        raise InputError(f"--data {opts.spec!r}: arrays have different numbers of rows {sorted(rows)}")
+    (count,) = rows
+    starts = range(0, count, opts.batch_size)
+
+    def make() -> Iterator[Any]:
+        for i in starts:
+            parts = tuple(c[i:i + opts.batch_size] for c in columns)
+            yield parts[0] if single else parts
+
+    return Batches(make, len(starts))
+
+
+def _tensor_columns(value: Any, opts: DataOptions) -> tuple[list[torch.Tensor], bool]:
+    """The tensors of a loaded file, ordered by ``--columns`` for named ones; ``single`` for a bare tensor."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return [torch.as_tensor(value)], True
+    if isinstance(value, dict):
+        names = opts.columns or tuple(value)
+        selected = _select(value, names, f"--data {opts.spec!r}")
+        return [torch.as_tensor(v) for v in selected], False
+    if isinstance(value, (tuple, list)) and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in value):
+        return [torch.as_tensor(v) for v in value], False
+    raise InputError(f"--data {opts.spec!r} holds a {type(value).__name__}; save a tensor, a tuple/list of tensors "
+                     "or a dict of tensors")
+
+
+def _load_file(path: Path, opts: DataOptions) -> Batches:
+    if path.suffix == ".pt":
+        value: Any = load_tensors(path)
+    else:
+        try:
+            loaded = np.load(path, allow_pickle=False)  # object arrays would need unpickling: refused
+        except (ValueError, OSError) as exc:
+            raise InputError(f"--data {opts.spec!r}: cannot read {path.suffix} file ({exc})") from None
+        value = {k: loaded[k] for k in loaded.files} if path.suffix == ".npz" else loaded
+    columns, single = _tensor_columns(value, opts)
+    if path.suffix == ".npz" and not opts.columns:
+        single = len(columns) == 1
+    # the file's columns were chosen when it was read; only the transform is left to apply per batch
+    return _finish(_rows(columns, opts, single), dataclasses.replace(opts, columns=()), None)
+
+
+def _hf_batches(dataset: Any, opts: DataOptions) -> Batches:
+    if hasattr(dataset, "keys") and not hasattr(dataset, "with_format"):  # a DatasetDict: pick the split
+        if opts.split not in dataset:
+            raise InputError(f"--data {opts.spec!r} has no split {opts.split!r}; pass --split with one of "
+                             f"{', '.join(dataset.keys())}")
+        dataset = dataset[opts.split]
+    torch_view = dataset.with_format("torch")
+    length = -(-len(dataset) // opts.batch_size)
+    return _finish(Batches(lambda: iter(torch_view.iter(batch_size=opts.batch_size)), length), opts, length)
+
+
+def _load_from_disk(path: Path, opts: DataOptions) -> Batches:
+    import datasets  # lazy: importing datasets takes a second
+
+    try:
+        dataset = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as exc:
+        raise InputError(f"--data {opts.spec!r} is a directory but not a dataset saved with datasets' "
+                         f"save_to_disk ({str(exc).splitlines()[0]})") from None
+    return _hf_batches(dataset, opts)
+
+
+def _hub_unreachable() -> str | None:
+    """Why the hub cannot be reached, found quickly (datasets itself retries for half a minute)."""
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if os.environ.get(variable, "").lower() in ("1", "true", "yes", "on"):
+            return f"offline mode is set ({variable}=1)"
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as exc:
+        return f"no network: cannot resolve {host} ({exc.strerror or exc})"
+    return None
+
+
+def _load_hub(opts: DataOptions) -> Batches:
+    fix = (f"on a machine with network, run python -c \"import datasets; datasets.load_dataset('{opts.spec}', "
+           f"split='{opts.split}').save_to_disk('DIR')\" and pass --data DIR")
+    reason = _hub_unreachable()
+    if reason is None:
+        import datasets
+
+        try:
+            return _hf_batches(datasets.load_dataset(opts.spec, split=opts.split), opts)
+        except Exception as exc:  # datasets raises many types (connection, not found, config); all mean the same
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    raise InputError(f"--data {opts.spec!r} is not a local file or directory, and loading it as a Hugging Face hub "
+                     f"dataset failed: {reason}. Fix: {fix}")
+
+
+def load_data(opts: DataOptions) -> Batches:
+    """The batches ``opts.spec`` names (see the module docstring for what is accepted, in which order)."""
+    path = Path(opts.spec).expanduser()
+    if path.suffix in (".npy", ".npz", ".pt"):
+        if not path.is_file():
+            raise InputError(f"--data {opts.spec!r}: no such file")
+        return _load_file(path, opts)
+    if path.is_dir():
+        return _load_from_disk(path, opts)
+    if _CODE_REF.match(opts.spec):
+        data = call_object(opts.spec, "--data")
+        if isinstance(data, (torch.Tensor, np.ndarray)):
+            data = [data]  # one batch, not an iterable of rows
+        if not isinstance(data, Iterable) and not isinstance(data, torch.Tensor):
+            raise InputError(f"--data {opts.spec!r} returned {type(data).__name__}, not an iterable of batches")
+        return _finish(data, opts, _length(data))
+    if opts.spec.startswith((".", "/", "~")) or path.suffix:
+        raise InputError(f"--data {opts.spec!r}: no such file or directory")
+    return _load_hub(opts)
+
+
+def _length(data: Any) -> int | None:
+    try:
+        return len(data)
+    except TypeError:
+        return None
+

@@ -1,0 +1,88 @@
+"""``fxquant report`` (measure a converted run against its float model) and ``fxquant regress`` (the CI gate)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from fxquant.cli.common import add_data_arguments, data_options, emit, positive_int
+from fxquant.cli.data import load_data
+from fxquant.cli.rundir import open_run, rebuild_run
+from fxquant.cli.specs import load_object
+from fxquant.errors import InputError
+from fxquant.serialization import atomic_write
+
+FORMATS = ("markdown", "json", "html")
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    report = sub.add_parser("report", parents=[common], help="accuracy, latency, size and per-layer error")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+    add_data_arguments(report, split="test")
+    report.add_argument("--metric", default="top1",
+                        help="top1, top5, or PKG.MODULE:FUNCTION(outputs, targets) -> float (default: top1)")
+    report.add_argument("--format", choices=FORMATS, default="markdown", help="default: markdown")
+    report.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
+    report.add_argument("--batches", type=positive_int, metavar="N", help="evaluate at most N batches")
+    report.add_argument("--threads", type=positive_int, help="torch threads for latency (default: torch's)")
+    report.add_argument("--latency-budget", type=float, default=10.0, metavar="SECONDS",
+                        help="time spent measuring latency (default: 10)")
+    report.set_defaults(handler=_report)
+
+    regress = sub.add_parser("regress", parents=[common], help="compare a report with a baseline; exit 1 on a "
+                                                               "regression")
+    try:
+        from fxquant.report.regress import add_regress_arguments
+    except ImportError:  # the report package is optional in stripped-down installs
+        regress.set_defaults(handler=_regress_unavailable)
+        return
+    add_regress_arguments(regress)
+    regress.set_defaults(handler=_regress)
+
+
+def _metric(name: str) -> Any:
+    if ":" not in name:
+        return name
+    metric = load_object(name, "--metric")
+    if not callable(metric):
+        raise InputError(f"--metric {name!r} is not callable")
+    return metric
+
+
+def _report(args: argparse.Namespace) -> int:
+    from fxquant.report.build import report
+
+    directory, manifest = open_run(args.run_dir, needs="converted")
+    data = load_data(data_options(args))
+    metric = _metric(args.metric)
+    float_model, quantized = rebuild_run(directory, manifest)
+    result = report(float_model, quantized, data, metric=metric, progress=not args.quiet, max_batches=args.batches,
+                    threads=args.threads, latency_budget_s=args.latency_budget)
+    fmt = "json" if args.json and not args.output else args.format
+    text = {"markdown": result.to_markdown, "json": result.to_json, "html": result.to_html}[fmt]()
+    if not args.output:
+        print(text.rstrip("\n"))
+        return 0
+    atomic_write(args.output, text.encode())
+    accuracy = result.to_dict()["accuracy"]
+    emit(args, f"wrote the {fmt} report to {args.output} ({accuracy['metric']}: float {accuracy['float']:.4g}, "
+               f"int8 {accuracy['quantized']:.4g})", {"output": args.output, "format": fmt, "accuracy": accuracy})
+    return 0
+
+
+def _regress(args: argparse.Namespace) -> int:
+    from fxquant.report.regress import compare, run_regress
+
+    if not args.json:
+        return run_regress(args)
+    result = compare(args.new, args.baseline, max_accuracy_drop=args.max_accuracy_drop,
+                     max_latency_increase=args.max_latency_increase, max_size_increase=args.max_size_increase,
+                     min_sqnr=args.min_sqnr, absolute_latency=args.absolute_latency)
+    rows = [{"metric": r.metric, "baseline": r.baseline, "new": r.new, "delta": r.delta, "limit": r.limit,
+             "unit": r.unit, "passed": r.passed} for r in result.rows]
+    emit(args, "", {"passed": result.passed, "rows": rows})
+    return 0 if result.passed else 1
+
+
+def _regress_unavailable(args: argparse.Namespace) -> int:
+    raise InputError("regress is unavailable: fxquant.report.regress could not be imported in this install")

@@ -1,0 +1,78 @@
+"""Turn ``F.linear`` / ``F.convNd`` calls on module parameters into module calls, so they fold, fuse and quantize.
+
+This is what makes subclasses of ``nn.Conv2d``/``nn.Linear`` with their own ``forward`` (a "same"-padding conv
+that pads and then calls ``F.conv2d(x, self.weight, ...)``) quantizable: torch.fx traces into them, and this pass
+gives the call back a plain module at the owner's path, keeping the user's parameter objects.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn.functional as F
+from torch import fx, nn
+
+from fxquant.passes._graph import finish, nodes_of, replace_submodule
+
+_CONV: dict[Any, type[nn.Module]] = {F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
+_CONV_PARAMS = ("stride", "padding", "dilation", "groups")
+_CONV_DEFAULTS: dict[str, Any] = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+def _param(gm: fx.GraphModule, arg: Any) -> nn.Parameter | None:
+    if not (isinstance(arg, fx.Node) and arg.op == "get_attr"):
+        return None
+    return gm.get_parameter(str(arg.target)) if _is_parameter(gm, str(arg.target)) else None
+
+
+def _is_parameter(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _module_for(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+    """An equivalent nn.Linear/nn.ConvNd sharing the call's parameters, or None if it cannot be expressed."""
+    args = dict(zip(("input", "weight", "bias", *_CONV_PARAMS), node.args, strict=False)) | dict(node.kwargs)
+    weight, bias = _param(gm, args.get("weight")), _param(gm, args.get("bias"))
+    if weight is None or (args.get("bias") is not None and bias is None):
+        return None
+    if node.target is F.linear:
+        module: nn.Module = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    else:
+        options = {k: args.get(k, _CONV_DEFAULTS[k]) for k in _CONV_PARAMS}
+        if isinstance(options["padding"], str) or any(isinstance(v, fx.Node) for v in options.values()):
+            return None  # string or traced padding: leave the call as it is (float)
+        groups = int(options["groups"])
+        module = _CONV[node.target](weight.shape[1] * groups, weight.shape[0], tuple(weight.shape[2:]),
+                                    bias=bias is not None, device="meta", **options)
+    module.register_parameter("weight", weight)
+    module.register_parameter("bias", bias)
+    return module
+
+
+def _owner_path(gm: fx.GraphModule, node: fx.Node) -> str:
+    """The path of the module owning the weight (the user's name for the layer), unless it is a module call too."""
+    weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
+    owner = str(weight.target).rpartition(".")[0]  # type: ignore[union-attr]
+    called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
+    return owner if owner and owner not in called else f"{owner.replace('.', '_')}_{node.name}".lstrip("_")
+
+
+def functional_to_modules(gm: fx.GraphModule) -> fx.GraphModule:
+    """Rewrite ``F.linear/convNd(x, <param>, <param>, ...)`` into calls of modules at the parameters' owner path."""
+    for node in nodes_of(gm):
+        if node.op != "call_function" or (node.target is not F.linear and node.target not in _CONV):
+            continue
+        module = _module_for(gm, node)
+        if module is None:
+            continue
+        path = _owner_path(gm, node)
+        replace_submodule(gm, path, module)
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_module(path, (node.args[0] if node.args else node.kwargs["input"],))
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+    return finish(gm)

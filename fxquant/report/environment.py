@@ -1,0 +1,27 @@
+"""Where a report was measured: versions, CPU and its int8 instruction sets, threads, quantization recipe.
+
+Latency and even accuracy depend on these (VNNI changes fbgemm's arithmetic, thread count changes speed-ups), so a
+report that omits them cannot be compared with another one.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from fxquant.cpu import cpu_model, isa_summary
+from fxquant.report.sections import Environment
+from fxquant.state import QuantState
+
+
+def describe_environment(state: QuantState, threads: int) -> Environment:
+    """The environment of this process for a model quantized as ``state`` says, timed with ``threads`` threads."""
+    import fxquant  # at call time: fxquant/__init__ imports this package
+
+    return Environment(
+        torch=torch.__version__, fxquant=fxquant.__version__, python=platform.python_version(), cpu=cpu_model(),
+        isa=isa_summary(), backend=state.backend or state.config.backend, threads=threads,
+        observer=state.config.activation, weight=state.config.weight,
+        calibration_samples=state.calibration_samples,
+    )

@@ -1,0 +1,249 @@
+"""Calibration benchmark: speed and peak memory of every observer against torch.ao's, and accuracy per observer.
+
+Speed: on the ResNet-18-style network (batch 32, 224x224) and the BERT-style encoder (batch 8, 128 tokens), the
+float forward and the calibration forward (a prepared model whose observers record every batch) with each fxquant
+observer and with torch.ao's MinMaxObserver and HistogramObserver (``prepare_fx`` with those activation observers
+and per-channel weight observers), all timed interleaved on the same cycling batches
+(:func:`fxquant.report.latency.measure_latency`), as ratios over the float forward. ``fxquant[off]`` is the prepared
+graph with its observers disabled: the difference to it is what the observers themselves cost.
+
+Memory: each configuration runs in its own subprocess, which reports its peak RSS (``ru_maxrss``) and how much the
+peak grew when observers were switched on after a forward with them off (their temporary buffers), plus the bytes of
+observer state (buffers) it keeps.
+
+Accuracy: INT8 top-1 and logit SQNR per observer on the digits CNN, and on the same CNN with planted activation
+outliers (two channels of ``bn1`` made 100x larger, ``conv2`` reading them 100x smaller: the float function is
+unchanged, per-tensor ranges are not).
+
+Targets: every fxquant observer <= 1.3x the float forward; the histogram family >= 1.5x faster than torch.ao's
+HistogramObserver. Run: ``python scripts/bench_calibration.py [--quick]`` (the default run takes several minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import itertools
+import json
+import resource
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _bench_common import _quiet_torch_deprecations, environment_lines, sqnr_db
+from torch import nn
+
+import fxquant
+from fxquant.calibration import observers_of
+from fxquant.kernels.quantized_engine import quantized_engine
+from fxquant.models import create_model, example_inputs
+from fxquant.models.digits import DigitsCNN, accuracy, digits_loader, train_digits_cnn
+from fxquant.report.latency import LatencyStats, measure_latency
+
+OBSERVERS = ("minmax", "moving_average", "histogram", "percentile", "entropy", "mse")
+HISTOGRAM_FAMILY = ("histogram", "percentile", "entropy", "mse")
+PEERS = ("minmax", "histogram")
+SPEED_TARGET, PEER_TARGET = 1.3, 1.5
+WORKLOADS = {"resnet18": 32, "bert_style": 8}
+QUICK_WORKLOADS = {"resnet18": 4, "bert_style": 2}
+
+
+def labels() -> list[str]:
+    return ["float", "fxquant[off]", *(f"fxquant[{n}]" for n in OBSERVERS), *(f"torch.ao[{n}]" for n in PEERS)]
+
+
+def _torch_ao_observer(name: str) -> Any:
+    """torch.ao's observer class, skipping integer tensors (token ids), which its HistogramObserver cannot bin."""
+    from torch.ao.quantization import HistogramObserver, MinMaxObserver
+
+    base = {"minmax": MinMaxObserver, "histogram": HistogramObserver}[name]
+
+    class FloatOnly(base):  # type: ignore[misc, valid-type]
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) if x.is_floating_point() else x
+
+    return FloatOnly.with_args(reduce_range=False)
+
+
+def torch_ao_prepared(model: nn.Module, example: tuple[Any, ...], name: str) -> nn.Module:
+    from torch.ao.quantization import QConfig, QConfigMapping, default_per_channel_weight_observer
+    from torch.ao.quantization.quantize_fx import prepare_fx
+
+    qconfig = QConfig(activation=_torch_ao_observer(name), weight=default_per_channel_weight_observer)
+    mapping = QConfigMapping().set_global(qconfig).set_object_type(nn.Embedding, None)
+    with _quiet_torch_deprecations():
+        return prepare_fx(copy.deepcopy(model), mapping, example)
+
+
+def build(label: str, model: nn.Module, example: tuple[Any, ...]) -> nn.Module:
+    """The module a configuration runs: the float model, an fxquant prepared model, or a torch.ao one."""
+    if label == "float":
+        return model
+    family, name = label.rstrip("]").split("[")
+    if family == "torch.ao":
+        return torch_ao_prepared(model, example, name)
+    prepared = fxquant.prepare(model, example, fxquant.QuantConfig(activation="minmax" if name == "off" else name))
+    for observer in observers_of(prepared).values():
+        observer.enabled = name != "off"
+    return prepared
+
+
+def cycling(module: nn.Module, batches: list[tuple[Any, ...]]) -> Callable[[], Any]:
+    stream = itertools.cycle(batches)
+    return lambda: module(*next(stream))
+
+
+def time_workload(name: str, batch_size: int, quick: bool) -> dict[str, LatencyStats]:
+    model = create_model(name)
+    batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 5)]
+    fns = {label: cycling(build(label, model, batches[0]), batches) for label in labels()}
+    with _quiet_torch_deprecations():
+        return measure_latency(fns, warmup=1 if quick else 2, min_runs=3 if quick else 5, max_runs=30,
+                               time_budget_s=20 if quick else 150)
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+
+
+def _set_observing(module: nn.Module, on: bool) -> None:
+    for observer in observers_of(module).values():
+        observer.enabled = on
+    if any(type(m).__module__.startswith("torch.ao") for m in module.modules()):
+        from torch.ao.quantization import disable_observer, enable_observer
+
+        module.apply(enable_observer if on else disable_observer)
+
+
+def probe_memory(name: str, label: str, batch_size: int) -> dict[str, float]:
+    """Run in a subprocess: peak RSS, its growth once observers record, and the observers' state size."""
+    batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 4)]
+    module = build(label, create_model(name), batches[0])
+    gc.collect()
+    with torch.inference_mode(), _quiet_torch_deprecations():
+        _set_observing(module, False)
+        module(*batches[0])
+        before = _rss_mb()
+        _set_observing(module, label not in ("float", "fxquant[off]"))
+        for batch in batches:
+            module(*batch)
+    observer_types = ("Observer", "HistogramObserver", "FloatOnly")
+    state = sum(b.numel() * b.element_size() for m in module.modules() if type(m).__name__.endswith(observer_types)
+                for b in m.buffers(recurse=False))
+    return {"peak_mb": _rss_mb(), "growth_mb": _rss_mb() - before, "state_kb": state / 1024}
+
+
+def memory_of(name: str, label: str, batch_size: int) -> dict[str, float]:
+    command = [sys.executable, __file__, "--probe", name, label, str(batch_size)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
+    if result.returncode != 0:
+        return {"peak_mb": float("nan"), "growth_mb": float("nan"), "state_kb": float("nan")}
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def speed_table(name: str, batch_size: int, stats: dict[str, LatencyStats], memory: dict[str, dict[str, float]]
+                ) -> list[str]:
+    base = stats["float"].median
+    lines = [f"\n## {name}, batch {batch_size}: calibration forward vs float forward",
+             "| configuration | median ms | p90 ms | x float | peak RSS MB | RSS growth MB | observer state KB |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, s in stats.items():
+        m = memory[label]
+        lines.append(f"| {label} | {s.median:.1f} | {s.p90:.1f} | {s.median / base:.2f} | {m['peak_mb']:.0f} | "
+                     f"{m['growth_mb']:.1f} | {m['state_kb']:.1f} |")
+    return lines
+
+
+def target_lines(name: str, stats: dict[str, LatencyStats]) -> list[str]:
+    base = stats["float"].median
+    lines = []
+    for observer in OBSERVERS:
+        ratio = stats[f"fxquant[{observer}]"].median / base
+        lines.append(f"- {name} fxquant[{observer}]: {ratio:.2f}x float "
+                     f"({'meets' if ratio <= SPEED_TARGET else 'MISSES'} <= {SPEED_TARGET}x)")
+    peer = stats["torch.ao[histogram]"].median
+    for observer in HISTOGRAM_FAMILY:
+        speedup = peer / stats[f"fxquant[{observer}]"].median
+        lines.append(f"- {name} fxquant[{observer}] vs torch.ao HistogramObserver: {speedup:.2f}x faster "
+                     f"({'meets' if speedup >= PEER_TARGET else 'MISSES'} >= {PEER_TARGET}x)")
+    return lines
+
+
+def planted_outliers(model: DigitsCNN, channels: tuple[int, ...] = (3, 11), factor: float = 100.0) -> DigitsCNN:
+    """The same function with ``bn1`` channels ``channels`` ``factor`` times larger (ReLU commutes with scaling)."""
+    planted = copy.deepcopy(model)
+    with torch.no_grad():
+        for channel in channels:
+            planted.bn1.weight[channel] *= factor
+            planted.bn1.bias[channel] *= factor
+            planted.conv2.weight[:, channel] /= factor
+    return planted
+
+
+def accuracy_rows(model: nn.Module) -> list[tuple[str, float, float]]:
+    """``(configuration, INT8 top-1, logit SQNR dB)`` for every fxquant observer and the torch.ao peers."""
+    calib, test = digits_loader("calib"), digits_loader("test", batch_size=512)
+    images = next(iter(test))[0]
+    with torch.no_grad():
+        reference = model(images)
+    rows = [("float", accuracy(model, test), float("inf"))]
+    for name in OBSERVERS:
+        prepared = fxquant.prepare(model, (images[:1],), fxquant.QuantConfig(activation=name))
+        fxquant.calibrate(prepared, calib, progress=False, diagnose=False)
+        qmodel = fxquant.convert(prepared)
+        with torch.no_grad():
+            rows.append((f"fxquant[{name}]", accuracy(qmodel, test), sqnr_db(reference, qmodel(images))))
+    for name in PEERS:
+        rows.append((f"torch.ao[{name}]", *_torch_ao_accuracy(model, name, calib, test, reference)))
+    return rows
+
+
+def _torch_ao_accuracy(model: nn.Module, name: str, calib: Any, test: Any, reference: torch.Tensor
+                       ) -> tuple[float, float]:
+    from torch.ao.quantization.quantize_fx import convert_fx
+
+    images = next(iter(test))[0]
+    with quantized_engine("fbgemm"), _quiet_torch_deprecations(), torch.no_grad():
+        prepared = torch_ao_prepared(model, (images[:1],), name)
+        for batch, _ in calib:
+            prepared(batch)
+        qmodel = convert_fx(prepared)
+        return accuracy(qmodel, test), sqnr_db(reference, qmodel(images))
+
+
+def accuracy_section() -> list[str]:
+    model = train_digits_cnn()
+    lines = []
+    for title, candidate in (("digits CNN", model), ("digits CNN with planted outliers", planted_outliers(model))):
+        lines += [f"\n## INT8 accuracy: {title} (test split; calibration on the calib split)",
+                  "| configuration | top-1 | logit SQNR dB |", "|---|---:|---:|"]
+        lines += [f"| {label} | {top1:.2%} | {sqnr:.1f} |" for label, top1, sqnr in accuracy_rows(candidate)]
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="small batches and short timing budgets")
+    parser.add_argument("--skip-memory", action="store_true", help="no per-configuration memory subprocesses")
+    parser.add_argument("--probe", nargs=3, metavar=("MODEL", "LABEL", "BATCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.probe:
+        print(json.dumps(probe_memory(args.probe[0], args.probe[1], int(args.probe[2]))))
+        return
+    print("# fxquant calibration benchmark\n" + "\n".join(f"- {line}" for line in environment_lines()))
+    targets: list[str] = []
+    for name, batch_size in (QUICK_WORKLOADS if args.quick else WORKLOADS).items():
+        stats = time_workload(name, batch_size, args.quick)
+        nan = {"peak_mb": float("nan"), "growth_mb": float("nan"), "state_kb": float("nan")}
+        memory = {label: nan if args.skip_memory else memory_of(name, label, batch_size) for label in stats}
+        print("\n".join(speed_table(name, batch_size, stats, memory)), flush=True)
+        targets += target_lines(name, stats)
+    print("\n## Targets\n" + "\n".join(targets))
+    print("\n".join(accuracy_section()))
+
+
+if __name__ == "__main__":
+    main()

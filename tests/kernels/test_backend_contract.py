@@ -1,0 +1,179 @@
+"""The contract every available backend must pass: same integers in, within one output step of the reference out.
+
+Activation ranges come from each backend's own ``activation_qrange`` (7-bit where fbgemm needs it), so the tests
+check the configuration fxquant actually ships, not the kernels' worst case.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from kernel_contract_cases import (
+    CONTRACT,
+    ConvCase,
+    Layer,
+    activation,
+    backends_under_test,
+    conv_cases,
+    conv_layer,
+    conv_supported,
+    float_conv,
+    linear_shapes,
+    make_layer,
+    output_qparams,
+    reference_backend,
+    run_conv,
+    run_linear,
+    steps,
+)
+
+from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.kernels.registry import get_backend
+from fxquant.qparams import QParams, affine_qparams, dequantize
+
+BACKENDS = backends_under_test()
+
+
+def _backend(name: str, dim: int | None = None) -> Backend:
+    backend = get_backend(name)
+    if dim is not None and not conv_supported(backend, dim):
+        pytest.skip(f"{name} does not run conv{dim}d (it raises BackendUnavailableError)")
+    return backend
+
+
+def _check_conv(backend: Backend, case: ConvCase, seed: int) -> None:
+    layer = conv_layer(case, backend.activation_qrange(feeds_grouped_conv=case.spec.groups > 1), seed)
+    out_qp = output_qparams(float_conv(layer, case.spec))
+    got = run_conv(backend, layer, case.spec, out_qp, relu=case.relu)
+    want = run_conv(reference_backend(), layer, case.spec, out_qp, relu=case.relu)
+    assert got.shape == want.shape
+    lsb = steps(got, want, out_qp)
+    assert lsb <= 1, f"{backend.name} conv is {lsb} LSB away from the reference for {case}"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_conv_matches_reference(name: str, dim: int) -> None:
+    backend = _backend(name, dim)
+
+    @CONTRACT
+    @given(case=conv_cases(dim), seed=st.integers(0, 2**16))
+    def check(case: ConvCase, seed: int) -> None:
+        _check_conv(backend, case, seed)
+
+    check()
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@CONTRACT
+@given(shape=linear_shapes(), per_channel=st.booleans(), bias=st.booleans(), relu=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_linear_matches_reference(name: str, shape: tuple[tuple[int, ...], int, int], per_channel: bool,
+                                  bias: bool, relu: bool, seed: int) -> None:
+    backend = _backend(name)
+    lead, k, n = shape
+    layer = make_layer((*lead, k), (n, k), qrange=backend.activation_qrange(feeds_grouped_conv=False),
+                       per_channel=per_channel, bias=bias, seed=seed)
+    out_qp = output_qparams(F.linear(layer.x.double(), layer.w.double(), _double(layer.bias)))
+    got = run_linear(backend, layer, out_qp, relu=relu)
+    want = run_linear(reference_backend(), layer, out_qp, relu=relu)
+    assert got.shape == want.shape == (*lead, n)
+    assert steps(got, want, out_qp) <= 1, f"{name} linear is {steps(got, want, out_qp)} LSB off for {shape}"
+
+
+def _double(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.double()
+
+
+def _two_activations(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, QParams, torch.Tensor, QParams]:
+    gen = torch.Generator().manual_seed(seed)
+    q_a, qa = activation(shape, (0, 255), gen)
+    q_b, qb = activation(shape, (0, 255), gen)
+    return q_a, qa, q_b, _with_scale(qb, float(qa.scale) * 3.7)  # scales that differ a lot
+
+
+def _with_scale(qp: QParams, scale: float) -> QParams:
+    return QParams(torch.tensor(scale), qp.zero_point, qp.qmin, qp.qmax, qp.axis)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("relu", [False, True])
+def test_add_with_different_scales_matches_reference(name: str, relu: bool) -> None:
+    backend, ref = _backend(name), reference_backend()
+    for seed in range(5):
+        q_a, qa, q_b, qb = _two_activations((2, 5, 7, 3), seed)
+        a, b = dequantize(q_a, qa), dequantize(q_b, qb)
+        total = a + b
+        qout = affine_qparams(total.min(), total.max())
+        got = backend.dequantize(backend.add(backend.quantize(a, qa), backend.quantize(b, qb), qa, qb, qout,
+                                             relu=relu), qout)
+        want = ref.dequantize(ref.add(ref.quantize(a, qa), ref.quantize(b, qb), qa, qb, qout, relu=relu), qout)
+        assert steps(got, want, qout) <= 1, f"{name} add is {steps(got, want, qout)} LSB off (seed {seed})"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_relu_matches_reference_exactly(name: str) -> None:
+    backend, ref = _backend(name), reference_backend()
+    q, qp = activation((3, 4, 5), (0, 255), torch.Generator().manual_seed(1))
+    x = dequantize(q, qp)
+    got = backend.dequantize(backend.relu(backend.quantize(x, qp), qp), qp)
+    want = ref.dequantize(ref.relu(ref.quantize(x, qp), qp), qp)
+    assert steps(got, want, qp) == 0
+    assert bool((want >= 0).all())
+
+
+POOLS: list[tuple[int, dict[str, Any]]] = [
+    (1, {"kernel_size": 3}),
+    (2, {"kernel_size": 2}),
+    (2, {"kernel_size": 3, "stride": 2, "padding": 1}),
+    (2, {"kernel_size": 3, "stride": 2, "padding": 1, "count_include_pad": False, "ceil_mode": True}),
+    (3, {"kernel_size": 2, "stride": 1}),
+]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("dim", "kwargs"), POOLS)
+def test_avg_pool_matches_reference(name: str, dim: int, kwargs: dict[str, Any]) -> None:
+    backend, ref = _backend(name), reference_backend()
+    q, qp = activation((2, 3, *([7] * dim)), (0, 255), torch.Generator().manual_seed(dim))
+    x = dequantize(q, qp)
+    got = backend.dequantize(backend.avg_pool(backend.quantize(x, qp), qp, dim, kwargs), qp)
+    want = ref.dequantize(ref.avg_pool(ref.quantize(x, qp), qp, dim, kwargs), qp)
+    assert got.shape == want.shape
+    assert steps(got, want, qp) <= 1, f"{name} avg_pool{dim}d {kwargs} is {steps(got, want, qp)} LSB off"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("dim", "output_size"), [(1, 3), (2, 1), (2, (3, 2)), (3, 2)])
+def test_adaptive_avg_pool_matches_reference(name: str, dim: int, output_size: Any) -> None:
+    backend, ref = _backend(name), reference_backend()
+    q, qp = activation((2, 3, *([7] * dim)), (0, 255), torch.Generator().manual_seed(10 + dim))
+    x = dequantize(q, qp)
+    got = backend.dequantize(backend.adaptive_avg_pool(backend.quantize(x, qp), qp, output_size), qp)
+    want = ref.dequantize(ref.adaptive_avg_pool(ref.quantize(x, qp), qp, output_size), qp)
+    assert steps(got, want, qp) <= 1
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_conv_output_feeds_relu_and_add(name: str) -> None:
+    """Conv outputs may be channels-last (oneDNN, qnnpack); the element-wise ops after them must read them right."""
+    backend, ref = _backend(name), reference_backend()
+    spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
+    case = ConvCase(spec, 2, 3, 6, (3, 3), (9, 8), per_channel=True, bias=True, relu=False)
+    layer: Layer = conv_layer(case, backend.activation_qrange(feeds_grouped_conv=False), seed=3)
+    out_qp = output_qparams(float_conv(layer, case.spec))
+    results = []
+    for b in (backend, ref):
+        packed = b.prepack_conv(layer.q_w, layer.w_qp, layer.bias, case.spec, in_qp=layer.in_qp)
+        y = b.conv(b.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=False)
+        other = b.quantize(torch.linspace(-1, 1, y.numel()).reshape(y.shape), out_qp)  # contiguous
+        results.append((b.dequantize(b.relu(y, out_qp), out_qp),
+                        b.dequantize(b.add(y, other, out_qp, out_qp, out_qp, relu=False), out_qp)))
+    (got_relu, got_add), (want_relu, want_add) = results
+    assert steps(got_relu, want_relu, out_qp) <= 1
+    assert steps(got_add, want_add, out_qp) <= 1

@@ -1,0 +1,24 @@
+"""docs/report.md runs as written: its Python blocks execute in order, then its example test functions are called."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "report.md"
+
+
+def test_docs_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the examples write report.json / report.html to the working directory
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert len(blocks) >= 4
+    namespace: dict[str, object] = {}
+    for index, block in enumerate(blocks):
+        exec(compile(block, f"{DOC.name}[python block {index}]", "exec"), namespace)
+    tests = [fn for name, fn in namespace.items() if name.startswith("test_") and callable(fn)]
+    assert tests, "the docs should hold an example test"
+    for test in tests:
+        test()
+    assert (tmp_path / "report.html").stat().st_size > 10_000
