@@ -1,8 +1,12 @@
 """``QuantConfig``: one frozen dataclass that says what to quantize and how.
 
-Precedence for a module path, documented once here and in docs/config.md: ``overrides`` (most specific) >
-``exclude`` > ``include`` > the defaults. Configs round-trip through dicts, JSON, YAML and TOML with a version
-field; an unknown key raises :class:`~fxquant.errors.ConfigError` naming the nearest valid key.
+Patterns in ``include``/``exclude``/``overrides`` are fnmatch patterns on module paths (``features.*``), or
+``type:<ClassName>`` to match every module of a class (``type:ConvTranspose2d``). Precedence for a module, decided
+only in :meth:`QuantConfig.settings_for` and documented in the README: ``overrides`` (path patterns before type
+patterns) > ``exclude`` > ``keep_first_float``/``keep_last_float`` > ``include`` > the defaults.
+
+Configs round-trip through dicts, JSON, YAML and TOML with a version field; an unknown key raises
+:class:`~fxquant.errors.ConfigError` naming the nearest valid key.
 """
 
 from __future__ import annotations
@@ -45,6 +49,12 @@ def _check_activation(name: object, where: str) -> None:
     _check_choice("activation", name, activation_observer_names(), where)
 
 
+def _matches(pattern: str, path: str, module_type: str) -> bool:
+    if pattern.startswith("type:"):
+        return bool(module_type) and fnmatch.fnmatchcase(module_type, pattern[5:])
+    return fnmatch.fnmatchcase(path, pattern)
+
+
 @dataclass(frozen=True)
 class LayerSettings:
     """The resolved settings for one module path."""
@@ -73,6 +83,9 @@ class QuantConfig:
     overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     observer_options: Mapping[str, Any] = field(default_factory=dict)
     leaf_modules: tuple[str, ...] = ()
+    keep_first_float: bool = False
+    keep_last_float: bool = False
+    partial_tracing: bool = True
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude", "leaf_modules"):
@@ -101,28 +114,34 @@ class QuantConfig:
         if "weight" in settings:
             _check_choice("weight", settings["weight"], WEIGHT_SCHEMES, where)
 
-    def settings_for(self, path: str) -> LayerSettings:
-        """Resolve the settings of the module at ``path`` (override > exclude > include > default)."""
+    def settings_for(self, path: str, module_type: str = "", *, position: str = "") -> LayerSettings:
+        """Resolve the settings of the module at ``path`` of class ``module_type``.
+
+        ``position`` is ``"first"``/``"last"`` for the first/last quantizable layer in graph order. Precedence:
+        overrides (path, then type) > exclude > keep_first/last_float > include > defaults.
+        """
         base: dict[str, Any] = dict(activation=self.activation, weight=self.weight,
                                     observer_options=dict(self.observer_options))
-        override = self._matching_override(path)
+        override = self._matching_override(path, module_type)
         if override is not None:
             merged = {**base, **override}
             merged["observer_options"] = {**base["observer_options"], **override.get("observer_options", {})}
             return LayerSettings(quantize=True, **merged)
-        if any(fnmatch.fnmatchcase(path, p) for p in self.exclude):
+        if any(_matches(p, path, module_type) for p in self.exclude):
             return LayerSettings(quantize=False, reason="excluded by config", **base)
-        if not any(fnmatch.fnmatchcase(path, p) for p in self.include):
+        if (position == "first" and self.keep_first_float) or (position == "last" and self.keep_last_float):
+            return LayerSettings(quantize=False, reason=f"{position} layer kept float by config", **base)
+        if not any(_matches(p, path, module_type) for p in self.include):
             return LayerSettings(quantize=False, reason="not matched by config.include", **base)
         return LayerSettings(quantize=True, **base)
 
-    def _matching_override(self, path: str) -> Mapping[str, Any] | None:
+    def _matching_override(self, path: str, module_type: str) -> Mapping[str, Any] | None:
         if path in self.overrides:
             return self.overrides[path]
-        for pattern, settings in self.overrides.items():
-            if fnmatch.fnmatchcase(path, pattern):
-                return settings
-        return None
+        by_path = [s for p, s in self.overrides.items() if not p.startswith("type:") and fnmatch.fnmatchcase(path, p)]
+        by_type = [s for p, s in self.overrides.items() if p.startswith("type:") and _matches(p, path, module_type)]
+        matches = by_path + by_type
+        return matches[0] if matches else None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict with a ``version`` field."""

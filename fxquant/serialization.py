@@ -60,6 +60,19 @@ def sha256_file(path: str | Path) -> str:
     return digest.hexdigest()
 
 
+def state_dict_sha256(state: dict[str, Any]) -> str:
+    """A hash of a state dict's names, dtypes, shapes and values: equal hashes mean identical weights."""
+    digest = hashlib.sha256()
+    for key in sorted(state):
+        value = state[key]
+        if not isinstance(value, torch.Tensor):
+            continue
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"{key}:{tensor.dtype}:{list(tensor.shape)};".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
 @contextlib.contextmanager
 def _temporary_sibling(path: Path) -> Iterator[Path]:
     """A temporary file next to ``path`` (same filesystem, so the final rename is atomic); removed on failure."""

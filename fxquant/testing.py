@@ -14,8 +14,9 @@ from torch import fx, nn
 
 from fxquant.api import quant_state
 from fxquant.kernels.registry import get_backend
+from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import compute_module
-from fxquant.passes._graph import replace_submodule
+from fxquant.passes._graph import only_user, replace_submodule
 from fxquant.passes.lower import observer_qparams, weight_qparams
 from fxquant.qparams import QParams, fake_quantize
 
@@ -34,18 +35,18 @@ class FakeQuantize(nn.Module):
 @torch.no_grad()
 def simulate(prepared: fx.GraphModule, backend: str | None = None) -> fx.GraphModule:
     """The fake-quant float model equivalent to ``convert(prepared, backend=backend)``."""
-    state = quant_state(prepared)
-    kernel = get_backend(backend or state.config.backend)
+    kernel = get_backend(backend or quant_state(prepared).config.backend)
     gm = copy.deepcopy(prepared)
-    for name, qp in observer_qparams(gm, kernel).items():
+    activation_qparams = observer_qparams(gm, kernel)
+    for node in gm.graph.nodes:
+        user = only_user(node)
+        settings = node.meta.get(LAYER_SETTINGS)
+        if settings is not None and user is not None and str(user.target) in activation_qparams:
+            layer = compute_module(gm.get_submodule(str(node.target)))
+            assert layer is not None
+            layer.weight.copy_(fake_quantize(layer.weight, weight_qparams(settings, layer)))
+    for name, qp in activation_qparams.items():
         replace_submodule(gm, name, FakeQuantize(qp))
-    observed = {str(n.args[0].target) for n in gm.graph.nodes
-                if n.op == "call_module" and str(n.target) in observer_qparams(prepared, kernel)
-                and isinstance(n.args[0], fx.Node) and n.args[0].op == "call_module"}
-    for path, module in list(gm.named_modules()):
-        layer = compute_module(module)
-        if layer is not None and path in observed:
-            layer.weight.copy_(fake_quantize(layer.weight, weight_qparams(state.config, path, layer)))
     gm.recompile()
     return gm
 

@@ -18,6 +18,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fxquant.report.schema import Report
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -26,7 +30,7 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 WINDOW = (1100, 2600)
 
 
-def build_report(path: Path | None) -> object:
+def build_report(path: Path | None) -> Report:
     """The report to render: read from ``path``, or measured on the digits CNN (a few seconds)."""
     import fxquant
     from fxquant.report.schema import Report
@@ -37,7 +41,7 @@ def build_report(path: Path | None) -> object:
 
     model = train_digits_cnn(epochs=2)
     calib = digits_loader("calib", batch_size=64)
-    config = fxquant.QuantConfig(exclude=["fc2"])
+    config = fxquant.QuantConfig(exclude=("fc2",))
     qmodel = fxquant.quantize(model, (next(iter(calib))[0][:1],), calib, config, progress=False)
     return fxquant.report(model, qmodel, digits_loader("test", batch_size=64), threads=1, batch_sizes=[1, 64],
                           latency_budget_s=1.0, progress=False)
@@ -75,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     html, png = args.out / "report.html", args.out / "report.png"
-    build_report(args.report).to_html(html)  # type: ignore[attr-defined]
+    build_report(args.report).to_html(html)
     result = screenshot(browser, html, png)
     if result.returncode != 0 or not png.is_file():
         print(f"{browser} failed (exit {result.returncode}): {result.stderr.strip()[-2000:]}", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,11 @@ def _packed_weights_as_attributes(model: nn.Module) -> Iterator[None]:
 
 def _trace(model: fx.GraphModule, example_inputs: tuple[Any, ...], backend: str) -> torch.jit.ScriptModule:
     try:
-        with _packed_weights_as_attributes(model), torch.no_grad():
+        with _packed_weights_as_attributes(model), torch.no_grad(), warnings.catch_warnings():
+            # torch 2.13 deprecates TorchScript in favour of torch.export, which cannot run the quantized kernels'
+            # prepacked weights yet; tracer warnings are about Python branches fxquant's kernels take on constants
+            warnings.simplefilter("ignore", DeprecationWarning)
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
             traced = torch.jit.trace(model, example_inputs, check_trace=False)
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
@@ -82,6 +87,8 @@ def export(model: fx.GraphModule, path: str | Path, *, format: str = "torchscrip
             example_inputs = tuple(spec.make() for spec in state.example_inputs)
     traced = _trace(model, example_inputs, state.backend or state.config.backend)
     buffer = io.BytesIO()
-    torch.jit.save(traced, buffer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.save(traced, buffer)
     atomic_write(path, buffer.getvalue())
     return Path(path)

@@ -62,17 +62,22 @@ class Batches:
         return self._length
 
 
+def _check_columns(available: list[str], columns: tuple[str, ...], where: str) -> None:
+    for column in columns:
+        if column not in available:
+            near = difflib.get_close_matches(column, available, n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise InputError(f"--columns: {where} has no column {column!r}.{hint} Columns: {', '.join(available)}")
+
+
 def _select(batch: Any, columns: tuple[str, ...], where: str) -> Any:
+    """The ``columns`` of a dict batch: one column gives its value, several a tuple in that order."""
     if not columns:
         return batch
     if not isinstance(batch, dict):
         raise InputError(f"--columns needs batches with named columns, but {where} yields {type(batch).__name__}")
-    for column in columns:
-        if column not in batch:
-            near = difflib.get_close_matches(column, list(batch), n=1)
-            hint = f" Did you mean {near[0]!r}?" if near else ""
-            raise InputError(f"--columns: {where} has no column {column!r}.{hint} Columns: {', '.join(batch)}")
-    return tuple(batch[c] for c in columns)
+    _check_columns(list(batch), columns, where)
+    return batch[columns[0]] if len(columns) == 1 else tuple(batch[c] for c in columns)
 
 
 def _finish(source: Iterable[Any], opts: DataOptions, length: int | None) -> Batches:
@@ -109,8 +114,8 @@ def _tensor_columns(value: Any, opts: DataOptions) -> tuple[list[torch.Tensor], 
         return [torch.as_tensor(value)], True
     if isinstance(value, dict):
         names = opts.columns or tuple(value)
-        selected = _select(value, names, f"--data {opts.spec!r}")
-        return [torch.as_tensor(v) for v in selected], False
+        _check_columns(list(value), names, f"--data {opts.spec!r}")
+        return [torch.as_tensor(value[n]) for n in names], len(names) == 1
     if isinstance(value, (tuple, list)) and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in value):
         return [torch.as_tensor(v) for v in value], False
     raise InputError(f"--data {opts.spec!r} holds a {type(value).__name__}; save a tensor, a tuple/list of tensors "
@@ -127,8 +132,6 @@ def _load_file(path: Path, opts: DataOptions) -> Batches:
             raise InputError(f"--data {opts.spec!r}: cannot read {path.suffix} file ({exc})") from None
         value = {k: loaded[k] for k in loaded.files} if path.suffix == ".npz" else loaded
     columns, single = _tensor_columns(value, opts)
-    if path.suffix == ".npz" and not opts.columns:
-        single = len(columns) == 1
     # the file's columns were chosen when it was read; only the transform is left to apply per batch
     return _finish(_rows(columns, opts, single), dataclasses.replace(opts, columns=()), None)
 

@@ -21,7 +21,7 @@ from fxquant.artifacts.store import commit
 from fxquant.cli.specs import build_model, parse_example_inputs
 from fxquant.config import QuantConfig
 from fxquant.errors import ArtifactError, CalibrationError, InputError
-from fxquant.serialization import sha256_file
+from fxquant.serialization import sha256_file, state_dict_sha256
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class Source:
     example_inputs: str
     weights: str | None = None
     weights_sha256: str | None = None
+    model_sha256: str | None = None  # of the float model's state dict, as the factory (+ weights) built it
 
     @classmethod
     def from_args(cls, model: str, example_inputs: str, weights: str | None) -> Source:
@@ -63,9 +64,14 @@ class Source:
                                 "mismatch); prepare a new run for the new weights")
 
     def build(self) -> tuple[nn.Module, tuple[Any, ...]]:
-        """The float model (eval mode, weights loaded) and the example inputs."""
+        """The float model (eval mode, weights loaded) and the example inputs; checked against the recorded hash."""
         self._check_weights()
-        return build_model(self.model, self.weights), parse_example_inputs(self.example_inputs)
+        model = build_model(self.model, self.weights)
+        if self.model_sha256 is not None and state_dict_sha256(model.state_dict()) != self.model_sha256:
+            raise ArtifactError(f"--model {self.model!r} now builds different weights than at `fxquant prepare` "
+                                "(the factory or its checkpoint changed, or it is not deterministic); pass the "
+                                "weights with --weights, or prepare a new run")
+        return model, parse_example_inputs(self.example_inputs)
 
 
 def _check_target(directory: Path, overwrite: bool) -> None:
@@ -86,6 +92,7 @@ def create_run(directory: Path, source: Source, config: QuantConfig, *,
     model, example = source.build()
     prepared = prepare(model, example, config)
     manifest, _ = manifest_for(prepared)
+    source = dataclasses.replace(source, model_sha256=state_dict_sha256(model.state_dict()))
     manifest.source = dataclasses.asdict(source)
     manifest.record("prepared", model=source.model)
     commit(directory, manifest)

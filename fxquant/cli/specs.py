@@ -42,8 +42,14 @@ def call_object(spec: str, what: str) -> Any:
 
 
 def build_model(spec: str, weights: str | None = None) -> nn.Module:
-    """Call the factory ``spec``, optionally load a state dict (``weights_only``), and put it in eval mode."""
-    model = call_object(spec, "--model")
+    """Call the factory ``spec``, optionally load a state dict (``weights_only``), and put it in eval mode.
+
+    The factory runs with torch's RNG seeded (and the caller's RNG state restored afterwards): every stage of a run
+    rebuilds the model, and a randomly initialised model must come out the same each time.
+    """
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = call_object(spec, "--model")
     if not isinstance(model, nn.Module):
         raise InputError(f"--model {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
     if weights is not None:

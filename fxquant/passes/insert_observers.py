@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from torch import fx
 
 from fxquant.config import LayerSettings, QuantConfig
+from fxquant.meta import LAYER_SETTINGS
+from fxquant.nn.fused import compute_module
 from fxquant.observers import Observer, get_activation_observer
 from fxquant.passes._graph import finish, modules_of, nodes_of
 from fxquant.patterns import OpKind, classify, join_inputs, tensor_input
@@ -60,15 +62,26 @@ def _observe_input(state: _State, consumer: fx.Node, value: fx.Node, settings: L
     consumer.replace_input_with(value, state.input_observers[value])
 
 
+def resolve_layer_settings(gm: fx.GraphModule, config: QuantConfig) -> None:
+    """Record each Linear/Conv node's resolved settings in ``node.meta[LAYER_SETTINGS]``."""
+    modules = modules_of(gm)
+    compute = [n for n in nodes_of(gm) if classify(n, modules) is OpKind.COMPUTE]
+    for index, node in enumerate(compute):
+        position = "first" if index == 0 else "last" if index == len(compute) - 1 else ""
+        module_type = type(compute_module(modules[str(node.target)])).__name__
+        node.meta[LAYER_SETTINGS] = config.settings_for(str(node.target), module_type, position=position)
+
+
 def insert_observers(gm: fx.GraphModule, config: QuantConfig) -> fx.GraphModule:
     """Add observers to ``gm`` (in place) following ``config``; returns ``gm``."""
+    resolve_layer_settings(gm, config)
     modules = modules_of(gm)
     state = _State(gm, set(), {})
     default = config.settings_for("")
     for node in nodes_of(gm):
         kind = classify(node, modules)
         if kind is OpKind.COMPUTE:
-            settings = config.settings_for(str(node.target))
+            settings = node.meta[LAYER_SETTINGS]
             value = tensor_input(node)
             if not settings.quantize or value is None:
                 continue

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 from torch import fx, nn
 
-from fxquant.config import QuantConfig
+from fxquant.config import LayerSettings, QuantConfig
 from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import Fused, add_relu, compute_module
 from fxquant.nn.quantized import (
     QUANTIZED_CONV,
@@ -109,12 +110,12 @@ def _absorb_observer(low: _Lowering, node: fx.Node) -> tuple[fx.Node, QParams]:
     return node, out_qp
 
 
-def weight_qparams(config: QuantConfig, path: str, layer: nn.Linear | nn.modules.conv._ConvNd) -> QParams:
-    """Symmetric int8 qparams of ``layer``'s weight with the weight observer the config gives ``path``.
+def weight_qparams(settings: LayerSettings, layer: nn.Linear | nn.modules.conv._ConvNd) -> QParams:
+    """Symmetric int8 qparams of ``layer``'s weight with the layer's weight observer.
 
     Transposed convolutions get per-tensor weights: no int8 kernel accepts per-channel transposed weights.
     """
-    scheme = config.settings_for(path).weight
+    scheme = settings.weight
     if isinstance(layer, nn.modules.conv._ConvTransposeNd):
         scheme = "per_tensor"
     return get_weight_observer(scheme)().qparams(layer.weight)
@@ -127,7 +128,7 @@ def _lower_compute(low: _Lowering, node: fx.Node) -> None:
     assert inner is not None
     in_qp = low.qparams[tensor_input(node)]  # type: ignore[index]
     node, out_qp = _absorb_observer(low, node)
-    w_qp = weight_qparams(low.config, path, inner)
+    w_qp = weight_qparams(node.meta[LAYER_SETTINGS], inner)
     relu = isinstance(module, Fused) and module.min_val == 0.0
     parts = (quantize(inner.weight.detach(), w_qp), w_qp, inner.bias, (in_qp, out_qp))
     if isinstance(inner, nn.Linear):

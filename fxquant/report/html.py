@@ -10,7 +10,7 @@ import base64
 import html
 
 from fxquant.report.charts import histogram_chart, latency_chart, sqnr_chart
-from fxquant.report.markdown import fmt_bytes, fmt_change, fmt_db, fmt_isa, fmt_metric
+from fxquant.report.markdown import fmt_bytes, fmt_change, fmt_db, fmt_isa, fmt_metric, fmt_ratio
 from fxquant.report.schema import Report
 
 _STYLE = """
@@ -41,9 +41,9 @@ def _summary(report: Report) -> str:
         [html.escape(acc.metric), fmt_metric(acc, acc.float_value), fmt_metric(acc, acc.quantized_value),
          fmt_change(acc)],
         [f"latency (batch {head.batch_size})", f"{head.float_ms.median:.3f} ms", f"{head.quantized_ms.median:.3f} ms",
-         f"{head.speedup:.2f}x faster"],
+         fmt_ratio(head.speedup, "faster", "slower")],
         ["size", fmt_bytes(size.float_bytes), fmt_bytes(size.quantized_bytes),
-         f"{size.float_bytes / max(1, size.quantized_bytes):.2f}x smaller"],
+         fmt_ratio(size.float_bytes / max(1, size.quantized_bytes), "smaller", "larger")],
     ]
     if report.fidelity is not None:
         fid = report.fidelity

@@ -2,31 +2,44 @@
 
 Outputs are captured by :class:`CaptureInterpreter` (an ``fx.Interpreter`` that records call_module results by
 module path) on two graphs run on the same batch: the converted model, and a float reference traced with fxquant's
-own pipeline minus the observers (trace, fold BatchNorm, fuse activations). In both graphs the module at path ``P``
-then computes the same thing (conv + bn + activation), so outputs compare one to one although BN was folded away.
+own pipeline minus the observers (trace, functional calls to modules, fold BatchNorm, fuse activations). In both
+graphs the module at path ``P`` then computes the same thing (conv + bn + activation), so outputs compare one to one
+although BN was folded away.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import fx, nn
 
 from fxquant.calibration.adapters import forward_parameters
+from fxquant.kernels.base import Backend
 from fxquant.nn.fused import COMPUTE_TYPES, compute_module
-from fxquant.nn.quantized import QuantizedConvNd, QuantizedLinear
-from fxquant.passes import fold_batchnorm, fuse_activations
+from fxquant.passes import fold_batchnorm, functional_to_modules, fuse_activations
 from fxquant.qparams import QParams, sqnr_db
 from fxquant.report.layer_stats import LayerStats, histogram
 from fxquant.report.sections import LayerReport
 from fxquant.state import QuantState
 from fxquant.tracing import trace
 
-QUANTIZED_TYPES = (QuantizedLinear, QuantizedConvNd)
 Captured = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+@runtime_checkable
+class QuantizedLayer(Protocol):
+    """What the report needs of an INT8 Linear/Conv/ConvTranspose (``fxquant.nn.quantized``), whichever its type."""
+
+    backend: Backend
+    in_qp: QParams
+    out_qp: QParams
+
+    def __call__(self, a: torch.Tensor) -> torch.Tensor: ...
+
+    def dequantized_weight(self) -> torch.Tensor: ...
 
 
 class CaptureInterpreter(fx.Interpreter):
@@ -48,7 +61,7 @@ class CaptureInterpreter(fx.Interpreter):
             module = self.module.get_submodule(str(n.target))
             args, _ = self.fetch_args_kwargs_from_env(n)
             output = result
-            if self.dequantize and isinstance(module, QUANTIZED_TYPES):
+            if self.dequantize and isinstance(module, QuantizedLayer):
                 output = module.backend.dequantize(result, module.out_qp)
             self.captured[str(n.target)] = (args[0], output.detach().float())
         return result
@@ -57,12 +70,18 @@ class CaptureInterpreter(fx.Interpreter):
 def float_reference(float_model: nn.Module, leaf_modules: Sequence[str]) -> fx.GraphModule:
     """The float model traced by fxquant's pipeline without observers: fused/folded layers sit at their paths."""
     gm = trace(copy.deepcopy(float_model), leaf_modules=leaf_modules)
-    return fuse_activations(fold_batchnorm(gm))
+    return fuse_activations(fold_batchnorm(functional_to_modules(gm)))  # as fxquant.prepare, minus observers
 
 
-def layer_paths(float_model: nn.Module) -> list[str]:
-    """Module paths of every Linear/Conv of the float model, in definition order."""
-    return [path for path, module in float_model.named_modules() if type(module) in COMPUTE_TYPES]
+def layer_paths(float_model: nn.Module, reference: fx.GraphModule | None = None) -> list[str]:
+    """Paths of every Linear/Conv of the float model (definition order), then of the layers that only exist in the
+    reference graph (``F.linear``/``F.conv`` calls the pipeline turned into modules), in graph order."""
+    paths = [path for path, module in float_model.named_modules() if isinstance(module, COMPUTE_TYPES)]
+    if reference is not None:
+        modules = dict(reference.named_modules())
+        called = [str(n.target) for n in reference.graph.nodes if n.op == "call_module"]
+        paths += [p for p in dict.fromkeys(called) if p not in paths and compute_module(modules[p]) is not None]
+    return paths
 
 
 def _called_paths(gm: fx.GraphModule) -> set[str]:
@@ -92,9 +111,8 @@ def _positional(gm: fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any
     return values
 
 
-def _isolated_output(module: nn.Module, float_input: torch.Tensor) -> torch.Tensor:
+def _isolated_output(module: QuantizedLayer, float_input: torch.Tensor) -> torch.Tensor:
     """The quantized layer run on its float reference input: the error this layer adds by itself."""
-    assert isinstance(module, QUANTIZED_TYPES)
     backend = module.backend
     return backend.dequantize(module(backend.quantize(float_input, module.in_qp)), module.out_qp).float()
 
@@ -111,7 +129,7 @@ class LayerProbe:
         self.quantized = quantized
         self.state = state
         self.reference = float_reference(float_model, state.config.leaf_modules)
-        self.paths = layer_paths(float_model)
+        self.paths = layer_paths(float_model, self.reference)
         self.called = _called_paths(quantized)
         self.stats = {path: LayerStats() for path in self.paths}
 
@@ -127,7 +145,7 @@ class LayerProbe:
             if path not in quantized.captured:
                 continue
             module = self.quantized.get_submodule(path)
-            isolated = _isolated_output(module, float_in) if isinstance(module, QUANTIZED_TYPES) else None
+            isolated = _isolated_output(module, float_in) if isinstance(module, QuantizedLayer) else None
             self.stats[path].update(float_out, quantized.captured[path][1], isolated)
 
     def results(self) -> list[LayerReport]:
@@ -136,19 +154,18 @@ class LayerProbe:
     def _layer_report(self, path: str) -> LayerReport:
         stats = self.stats[path]
         module = _submodule(self.quantized, path)
-        quantized = isinstance(module, QUANTIZED_TYPES)
-        weight = _reference_weight(self.reference, path)
+        layer = compute_module(_submodule(self.reference, path) or nn.Module())  # BatchNorm folded in
+        weight = None if layer is None else layer.weight.detach().float()
         common: dict[str, Any] = dict(
-            kind=type(compute_module(_submodule(self.reference, path) or nn.Module()) or nn.Module()).__name__,
-            sqnr_db=stats.sqnr_db(), activation_range=stats.range(), activation_histogram=stats.histogram(),
-            weight_range=(float(weight.min()), float(weight.max())) if weight is not None else None,
-            weight_histogram=histogram(weight) if weight is not None else None,
+            kind=type(layer).__name__ if layer is not None else "", sqnr_db=stats.sqnr_db(),
+            activation_range=stats.range(), activation_histogram=stats.histogram(),
+            weight_range=None if weight is None else (float(weight.min()), float(weight.max())),
+            weight_histogram=None if weight is None else histogram(weight),
         )
-        if not quantized:
+        if not isinstance(module, QuantizedLayer):
             return LayerReport(path, False, reason=float_reason(path, self.state, self.called), backend="float",
                                **common)
-        assert isinstance(module, QUANTIZED_TYPES)
-        weight_sqnr = sqnr_db(weight, module.dequantized_weight()) if weight is not None else None
+        weight_sqnr = None if weight is None else sqnr_db(weight, module.dequantized_weight())
         return LayerReport(path, True, backend=module.backend.name, isolated_sqnr_db=stats.isolated_sqnr_db(),
                            weight_sqnr_db=weight_sqnr, quant_range=_quant_range(module.out_qp), **common)
 
@@ -158,9 +175,3 @@ def _submodule(gm: fx.GraphModule, path: str) -> nn.Module | None:
         return gm.get_submodule(path)
     except AttributeError:
         return None
-
-
-def _reference_weight(reference: fx.GraphModule, path: str) -> torch.Tensor | None:
-    """The weight the quantized layer was made from (BatchNorm folded in), as the reference graph holds it."""
-    layer = compute_module(_submodule(reference, path) or nn.Module())
-    return None if layer is None else layer.weight.detach().float()

@@ -40,6 +40,13 @@ def fmt_isa(isa: Mapping[str, bool]) -> str:
     return ", ".join(name for name, present in isa.items() if present) or "no VNNI/AMX"
 
 
+def fmt_ratio(ratio: float, better: str, worse: str) -> str:
+    """``2.00x faster`` for a ratio of 2, ``1.25x slower`` for 0.8: a ratio below 1 reads wrong as "0.80x faster"."""
+    if ratio <= 0:
+        return "-"
+    return f"{ratio:.2f}x {better}" if ratio >= 1 else f"{1 / ratio:.2f}x {worse}"
+
+
 def fmt_bytes(size: int) -> str:
     return f"{size / 1024:.1f} KiB" if size < 1024**2 else f"{size / 1024**2:.2f} MiB"
 
@@ -50,10 +57,11 @@ def _summary(report: Report) -> str:
              fmt_metric(acc, acc.quantized_value), fmt_change(acc)]]
     head = report.latency.headline
     rows.append([f"latency median, batch {head.batch_size}, {report.latency.threads} thread(s)",
-                 f"{head.float_ms.median:.3f} ms", f"{head.quantized_ms.median:.3f} ms", f"{head.speedup:.2f}x faster"])
+                 f"{head.float_ms.median:.3f} ms", f"{head.quantized_ms.median:.3f} ms",
+                 fmt_ratio(head.speedup, "faster", "slower")])
     ratio = size.float_bytes / size.quantized_bytes if size.quantized_bytes else 0.0
     rows.append(["size (state dict)", fmt_bytes(size.float_bytes), fmt_bytes(size.quantized_bytes),
-                 f"{ratio:.2f}x smaller"])
+                 fmt_ratio(ratio, "smaller", "larger")])
     if report.fidelity is not None:
         fid = report.fidelity
         rows.append(["output fidelity", "reference", f"SQNR {fmt_db(fid.sqnr_db)}, cos {fid.cosine_similarity:.4f}",

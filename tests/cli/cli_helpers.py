@@ -40,3 +40,17 @@ def interrupted_batches() -> Iterator[torch.Tensor]:
         if index == INTERRUPT_AFTER:
             raise KeyboardInterrupt
         yield batch
+
+
+def unseeded_digits_cnn() -> torch.nn.Module:
+    """Fresh random weights on every call, whatever torch's seed: a factory no run can be rebuilt from."""
+    model = DigitsCNN().eval()
+    generator = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    with torch.no_grad():
+        model.fc2.weight.copy_(torch.randn(model.fc2.weight.shape, generator=generator))
+    return model
+
+
+def pixels_to_unit_range(batch: dict) -> dict:
+    """A ``--transform``: the HF test dataset stores 0..16 pixel values, the model wants [0, 1]."""
+    return {**batch, "image": batch["image"].float() / 16.0}

@@ -148,6 +148,14 @@ def test_weights_changed_since_prepare(run: Path, tmp_path: Path, digits_weights
     assert "changed since `fxquant prepare`" in _fails_cleanly(run, "convert", str(run))
 
 
+def test_factory_that_builds_different_weights_each_time(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    assert main_cli("prepare", "--model", "cli_helpers:unseeded_digits_cnn", "--example-inputs", "1x1x8x8",
+                    "-o", str(run)).returncode == 0
+    line = _fails_cleanly(run, "calibrate", str(run), "--data", "cli_helpers:calib_batches")
+    assert "now builds different weights than at `fxquant prepare`" in line
+
+
 def test_stage_not_reached_yet(run: Path, digits_weights: Path, tmp_path: Path) -> None:
     fresh = tmp_path / "fresh"
     assert main_cli("prepare", *MODEL, "-o", str(fresh)).returncode == 0

@@ -14,7 +14,7 @@ MODEL = ("--model", "fxquant.models:digits_cnn", "--example-inputs", "1x1x8x8")
 
 def _prepare(tmp_path: Path, name: str) -> Path:
     config = tmp_path / "fxquant.json"
-    config.write_text(json.dumps({"activation": "histogram"}))
+    config.write_text(json.dumps({"activation": "histogram", "observer_options": {"bins": 128}}))
     run = tmp_path / name
     assert main_cli("prepare", *MODEL, "--config", str(config), "-o", str(run)).returncode == 0
     return run

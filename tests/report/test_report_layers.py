@@ -89,3 +89,19 @@ def test_the_top_level_name_is_the_function_and_the_modules_still_import() -> No
     assert callable(fxquant.report) and fxquant.report.__module__ == "fxquant.report.build"
     assert callable(measure_latency) and callable(serialized_size)
     assert fxquant.assert_no_regression.__module__ == "fxquant.report.regress"
+
+
+def test_layers_inside_float_leaf_modules_say_so() -> None:
+    from fxquant.models import create_model, example_inputs
+
+    model = create_model("control_flow", channels=4)
+    data = [example_inputs("control_flow", batch_size=2, seed=i) for i in range(2)]
+    config = fxquant.QuantConfig(leaf_modules=["DataDependentBlock"], exclude=["fc"])
+    qmodel = fxquant.quantize(model, data[0], data, config, progress=False)
+    report = fxquant.report(model, qmodel, data, metric=lambda outputs: 0.0, **FAST)
+    reasons = {layer.name: (layer.quantized, layer.reason) for layer in report.layers}
+    assert reasons == {"stem": (True, ""), "gated.positive": (False, "inside leaf module 'gated' (runs as a float "
+                                                                     "black box)"),
+                       "gated.negative": (False, "inside leaf module 'gated' (runs as a float black box)"),
+                       "fc": (False, "excluded by config")}
+    assert {layer.name for layer in report.layers if layer.sqnr_db is None} == {"gated.positive", "gated.negative"}
