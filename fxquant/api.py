@@ -21,7 +21,7 @@ from fxquant.observers import switch_method
 from fxquant.passes import fold_batchnorm, functional_to_modules, fuse_activations, insert_observers, lower_to_int8
 from fxquant.passes._graph import replace_submodule
 from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
-from fxquant.tracing import trace
+from fxquant.tracing import trace, trace_partially
 
 
 def _check_model(model: nn.Module) -> None:
@@ -58,23 +58,31 @@ def _run_example(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
         raise InputError(f"the model rejects the example inputs ({_describe(example_inputs)}): {reason}") from exc
 
 
-def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = None) -> fx.GraphModule:
+def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = None, *,
+            concrete_args: dict[str, Any] | None = None, tracer_class: type[fx.Tracer] | None = None,
+            ) -> fx.GraphModule:
     """Trace a copy of ``model``, fold BatchNorm, fuse activations and insert observers.
 
     The returned GraphModule computes what ``model`` computes (observers are identities) while recording ranges.
-    ``model`` itself is never modified. Example::
+    ``model`` itself is never modified. Submodules torch.fx cannot trace stay float (``config.partial_tracing``;
+    ``fxquant.coverage`` lists them); ``concrete_args`` and ``tracer_class`` are passed to torch.fx. Example::
 
         prepared = fxquant.prepare(model.eval(), (torch.randn(1, 3, 224, 224),))
     """
     config = config or QuantConfig()
     _check_model(model)
     example_inputs = _check_example_inputs(example_inputs)
-    gm = trace(copy.deepcopy(model), leaf_modules=config.leaf_modules)
+    options: dict[str, Any] = dict(leaf_modules=config.leaf_modules, concrete_args=concrete_args,
+                                   tracer_class=tracer_class)
+    if config.partial_tracing:
+        gm, breaks = trace_partially(copy.deepcopy(model), **options)
+    else:
+        gm, breaks = trace(copy.deepcopy(model), **options), ()
     _run_example(gm, example_inputs)
     gm = insert_observers(fuse_activations(fold_batchnorm(functional_to_modules(gm))), config)
     specs = tuple(InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
                   for v in example_inputs if isinstance(v, torch.Tensor))
-    gm.meta[STATE_KEY] = QuantState(config, "prepared", specs)
+    gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks)
     return gm
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 from fxquant.config import QuantConfig
 from fxquant.errors import InputError
+from fxquant.tracing import GraphBreak
 
 STATE_KEY = "fxquant_state"  # key in GraphModule.meta, which deepcopy preserves
 
@@ -40,6 +41,7 @@ class QuantState:
     backend: str | None = None
     observer_state: dict[str, torch.Tensor] = field(default_factory=dict)
     calibration_samples: int = 0
+    graph_breaks: tuple[GraphBreak, ...] = ()
 
 
 def quant_state(gm: nn.Module) -> QuantState:

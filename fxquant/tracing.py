@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fnmatch
+import logging
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ from torch import fx, nn
 from fxquant.errors import TraceError
 
 _TORCH_DIR = str(Path(torch.__file__).parent)
+log = logging.getLogger(__name__)
 
 
 class QuantTracer(fx.Tracer):
@@ -42,30 +45,77 @@ class QuantTracer(fx.Tracer):
             raise
 
 
+@dataclass(frozen=True)
+class GraphBreak:
+    """A submodule torch.fx could not trace, kept as a float black box by partial tracing."""
+
+    path: str
+    location: str
+    reason: str
+
+
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of the traceback that is not torch's own code: the line the user wrote."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
     return frames[-1] if frames else None
 
 
-def describe_trace_failure(exc: BaseException, model: nn.Module, path: str | None) -> str:
-    where = f"submodule {path!r} ({type(model.get_submodule(path)).__name__})" if path else "the model's forward"
+def _failure(exc: BaseException, path: str | None) -> GraphBreak:
     frame = _user_frame(exc)
-    line = f" at {frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else ""
+    location = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "unknown location"
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    fix = (f"QuantConfig(leaf_modules=[{path!r}]) to keep it as a float black box, or exclude it"
-           if path else "make the forward traceable (no data-dependent Python control flow), or pass concrete_args")
-    return f"torch.fx cannot trace {where}{line}: {reason}. Fix: use {fix}."
+    return GraphBreak(path or "", location, reason)
+
+
+def _trace_error(failure: GraphBreak, model: nn.Module) -> TraceError:
+    path = failure.path
+    where = f"submodule {path!r} ({type(model.get_submodule(path)).__name__})" if path else "the model's forward"
+    fix = (f"use QuantConfig(leaf_modules=[{path!r}]) to keep it as a float black box, or exclude it"
+           if path else "make the forward traceable (no data-dependent Python control flow), or pass concrete_args "
+           "to prepare()")
+    error = TraceError(f"torch.fx cannot trace {where} at {failure.location}: {failure.reason}. Fix: {fix}.")
+    error.failure = failure  # type: ignore[attr-defined]
+    return error
+
+
+def _make_tracer(tracer_class: type[fx.Tracer] | None, leaf_modules: Sequence[str]) -> fx.Tracer:
+    if tracer_class is None:
+        return QuantTracer(leaf_modules)
+    if issubclass(tracer_class, QuantTracer):
+        return tracer_class(leaf_modules)
+    return tracer_class()
 
 
 def trace(model: nn.Module, *, leaf_modules: Sequence[str] = (), concrete_args: dict[str, Any] | None = None,
           tracer_class: type[fx.Tracer] | None = None) -> fx.GraphModule:
     """Symbolically trace ``model``; on failure raise ``TraceError`` naming the submodule and source line."""
-    tracer = tracer_class() if tracer_class is not None else QuantTracer(leaf_modules)
+    tracer = _make_tracer(tracer_class, leaf_modules)
     try:
         graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
-        path = getattr(tracer, "failed_path", None)
-        raise TraceError(describe_trace_failure(exc, model, path)) from exc
-    name = type(model).__name__
-    return fx.GraphModule(tracer.root, graph, name)
+        raise _trace_error(_failure(exc, getattr(tracer, "failed_path", None)), model) from exc
+    return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def trace_partially(model: nn.Module, *, leaf_modules: Sequence[str] = (), concrete_args: dict[str, Any] | None = None,
+                    tracer_class: type[fx.Tracer] | None = None) -> tuple[fx.GraphModule, tuple[GraphBreak, ...]]:
+    """Trace ``model``, turning each submodule torch.fx cannot trace into a float leaf, until the rest traces.
+
+    Returns the graph and the breaks (module path, source line, reason), largest traceable parts first: only the
+    innermost failing module becomes a leaf, so its siblings and parents are still traced and quantized. A failure
+    in the root's own forward cannot be isolated and raises ``TraceError``.
+    """
+    leaves, breaks = list(leaf_modules), list[GraphBreak]()
+    while True:
+        try:
+            return trace(model, leaf_modules=leaves, concrete_args=concrete_args, tracer_class=tracer_class), \
+                tuple(breaks)
+        except TraceError as error:
+            failure: GraphBreak = error.failure  # type: ignore[attr-defined]
+            can_isolate = tracer_class is None or issubclass(tracer_class, QuantTracer)
+            if not failure.path or failure.path in leaves or not can_isolate:
+                raise
+            log.warning("fxquant: keeping %s float: torch.fx cannot trace it (%s at %s)", failure.path,
+                        failure.reason, failure.location)
+            breaks.append(failure)
+            leaves.append(failure.path)

@@ -34,13 +34,19 @@ class Net(nn.Module):
 
 
 def test_untraceable_model_names_submodule_line_and_fix() -> None:
+    strict = fxquant.QuantConfig(partial_tracing=False)
     with pytest.raises(TraceError) as info:
-        fxquant.prepare(Net().eval(), (torch.randn(2, 4),))
+        fxquant.prepare(Net().eval(), (torch.randn(2, 4),), strict)
     message = str(info.value)
     assert "'body.1'" in message and "Gate" in message
     assert "test_bad_input.py" in message and "if x.sum() > 0" in message
     assert "leaf_modules=['body.1']" in message
     assert "\n" not in message
+
+
+def test_untraceable_root_forward_is_a_trace_error_even_with_partial_tracing() -> None:
+    with pytest.raises(TraceError, match=r"the model's forward at .*test_bad_input.py:\d+: `if x.sum\(\) > 0:"):
+        fxquant.prepare(Gate().eval(), (torch.randn(2, 4),))
 
 
 def test_leaf_module_from_the_message_makes_it_work() -> None:

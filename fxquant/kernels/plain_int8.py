@@ -83,6 +83,11 @@ class PlainInt8Backend(Backend):
         # input (oneDNN conv output) is handled as it is.
         return torch.clamp(a, min=int(qp.zero_point))
 
+    def max_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:
+        # torch 2.13's channels-last max-pool kernel rejects int8/uint8 inputs with more than 127 positions per
+        # channel ("Expected input_depth * input_height * input_width <= ..."); oneDNN convs return channels-last.
+        return super().max_pool(a.contiguous(), qp, dim, kwargs)
+
     def adaptive_avg_pool(self, a: torch.Tensor, qp: QParams, output_size: Any) -> torch.Tensor:
         pooled = _ADAPTIVE_POOLS[a.dim()](centered(a, qp, self.elementwise_dtype), output_size)
         return requantize(pooled, 1.0, qp, relu=False)

@@ -105,3 +105,20 @@ def test_layers_inside_float_leaf_modules_say_so() -> None:
                        "gated.negative": (False, "inside leaf module 'gated' (runs as a float black box)"),
                        "fc": (False, "excluded by config")}
     assert {layer.name for layer in report.layers if layer.sqnr_db is None} == {"gated.positive", "gated.negative"}
+
+
+class SamePadConv(nn.Conv2d):
+    """A Conv2d subclass with its own forward: traced into, its F.conv2d call becomes a module at its path again."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.conv2d(nn.functional.pad(x, (1, 1, 1, 1)), self.weight, self.bias)
+
+
+def test_layers_rebuilt_from_functional_calls_are_measured() -> None:
+    model = nn.Sequential(SamePadConv(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(256, 2)).eval()
+    data = [torch.randn(4, 3, 8, 8) for _ in range(3)]
+    qmodel = fxquant.quantize(model, (data[0],), data, progress=False)
+    report = fxquant.report(model, qmodel, data, metric=lambda outputs: 0.0, **FAST)
+    assert [(layer.name, layer.kind, layer.quantized) for layer in report.layers] == [
+        ("0", "Conv2d", True), ("3", "Linear", True)]
+    assert all(layer.sqnr_db is not None and layer.sqnr_db > 25 for layer in report.layers), report.to_markdown()
