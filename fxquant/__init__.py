@@ -8,6 +8,7 @@ from fxquant.api import convert, prepare, quantize, recompute_qparams
 from fxquant.artifacts import export, load, save
 from fxquant.calibration import CalibrationSummary, calibrate, observing
 from fxquant.config import QuantConfig
+from fxquant.coverage import coverage
 from fxquant.graph_view import format_graph, print_graph
 from fxquant.observers import register_observer
 from fxquant.report.build import (
@@ -24,6 +25,7 @@ __all__ = [
     "assert_no_regression",
     "calibrate",
     "convert",
+    "coverage",
     "errors",
     "export",
     "format_graph",

@@ -16,9 +16,10 @@ from torch import fx, nn
 from fxquant.calibration import calibrate, observers_of
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError, InputError
+from fxquant.islands import lower_islands, prepare_graph, prepare_islands
 from fxquant.kernels.registry import get_backend
 from fxquant.observers import switch_method
-from fxquant.passes import fold_batchnorm, functional_to_modules, fuse_activations, insert_observers, lower_to_int8
+from fxquant.passes import lower_to_int8
 from fxquant.passes._graph import replace_submodule
 from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
 from fxquant.tracing import trace, trace_partially
@@ -79,7 +80,8 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
     else:
         gm, breaks = trace(copy.deepcopy(model), **options), ()
     _run_example(gm, example_inputs)
-    gm = insert_observers(fuse_activations(fold_batchnorm(functional_to_modules(gm))), config)
+    gm = prepare_graph(gm, config)
+    prepare_islands(gm, breaks, config)
     specs = tuple(InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
                   for v in example_inputs if isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks)
@@ -102,8 +104,9 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None) -> fx.Graph
                                "fxquant.calibrate(prepared, data) with data that reaches them before convert().")
     kernel = get_backend(backend or state.config.backend)
     gm = lower_to_int8(copy.deepcopy(prepared), state.config, kernel)
-    observers = observers_of(prepared)
-    statistics = {k: v.detach().clone() for k, v in prepared.state_dict().items() if k.split(".")[0] in observers}
+    lower_islands(gm, kernel)
+    statistics = {f"{name}.{key}": value.detach().clone()  # nested island observers too (fxquant.save needs all)
+                  for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=kernel.name, observer_state=statistics)
     return gm
 

@@ -94,7 +94,26 @@ def trace(model: nn.Module, *, leaf_modules: Sequence[str] = (), concrete_args: 
         graph = tracer.trace(model, concrete_args=concrete_args)
     except Exception as exc:
         raise _trace_error(_failure(exc, getattr(tracer, "failed_path", None)), model) from exc
+    if concrete_args:
+        _default_to_concrete(graph, concrete_args)
     return fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _default_to_concrete(graph: fx.Graph, concrete_args: dict[str, Any]) -> None:
+    """Make each specialised argument default to its concrete value instead of asserting callers pass it.
+
+    torch.fx keeps the original default and inserts ``torch._assert(arg == value)``; calibration batches and
+    example inputs do not carry such flags, so the traced model would reject them.
+    """
+    for node in graph.find_nodes(op="call_function", target=torch._assert):
+        message = str(node.args[1]) if len(node.args) > 1 else ""
+        name = message.split(" has been specialized")[0]
+        check = node.args[0]
+        if name in concrete_args and isinstance(check, fx.Node) and isinstance(check.args[0], fx.Node):
+            placeholder = check.args[0]
+            graph.erase_node(node)
+            graph.erase_node(check)
+            placeholder.args = (concrete_args[name],)
 
 
 def trace_partially(model: nn.Module, *, leaf_modules: Sequence[str] = (), concrete_args: dict[str, Any] | None = None,

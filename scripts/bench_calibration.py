@@ -7,9 +7,12 @@ and per-channel weight observers), all timed interleaved on the same cycling bat
 (:func:`fxquant.report.latency.measure_latency`), as ratios over the float forward. ``fxquant[off]`` is the prepared
 graph with its observers disabled: the difference to it is what the observers themselves cost.
 
-Memory: each configuration runs in its own subprocess, which reports its peak RSS (``ru_maxrss``) and how much the
-peak grew when observers were switched on after a forward with them off (their temporary buffers), plus the bytes of
-observer state (buffers) it keeps.
+Memory: each configuration runs in its own subprocess, which reports its peak RSS, and the peak RSS of the
+calibration forwards alone above the RSS before them (``VmHWM`` reset through ``/proc/self/clear_refs`` after a warm-up
+forward with observers off: activations plus the observers' temporaries), plus the bytes of observer state (buffers).
+
+Threads: ``--threads`` (default 1). On a shared machine whose load exceeds its cores, every multi-threaded op waits
+for a preempted thread at its barrier, so a 2-thread timing measures the scheduler more than the code.
 
 Accuracy: INT8 top-1 and logit SQNR per observer on the digits CNN, and on the same CNN with planted activation
 outliers (two channels of ``bn1`` made 100x larger, ``conv2`` reading them 100x smaller: the float function is
@@ -26,7 +29,7 @@ import copy
 import gc
 import itertools
 import json
-import resource
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -96,17 +99,25 @@ def cycling(module: nn.Module, batches: list[tuple[Any, ...]]) -> Callable[[], A
     return lambda: module(*next(stream))
 
 
-def time_workload(name: str, batch_size: int, quick: bool) -> dict[str, LatencyStats]:
+def time_workload(name: str, batch_size: int, args: argparse.Namespace) -> dict[str, LatencyStats]:
     model = create_model(name)
     batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 5)]
     fns = {label: cycling(build(label, model, batches[0]), batches) for label in labels()}
     with _quiet_torch_deprecations():
-        return measure_latency(fns, warmup=1 if quick else 2, min_runs=3 if quick else 5, max_runs=30,
-                               time_budget_s=20 if quick else 150)
+        return measure_latency(fns, warmup=1 if args.quick else 2, min_runs=3 if args.quick else 7, max_runs=40,
+                               time_budget_s=20 if args.quick else 120, threads=args.threads)
 
 
-def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kilobytes on Linux
+def _status_mb(field: str) -> float:
+    with open("/proc/self/status") as status:
+        match = re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE)
+    return int(match.group(1)) / 1024 if match else float("nan")
+
+
+def _reset_peak() -> None:
+    """Set the peak RSS (VmHWM) to the current RSS (Linux), so the next peak is the next phase's alone."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
 
 
 def _set_observing(module: nn.Module, on: bool) -> None:
@@ -126,14 +137,16 @@ def probe_memory(name: str, label: str, batch_size: int) -> dict[str, float]:
     with torch.inference_mode(), _quiet_torch_deprecations():
         _set_observing(module, False)
         module(*batches[0])
-        before = _rss_mb()
+        peak, before = _status_mb("VmHWM"), _status_mb("VmRSS")
+        _reset_peak()
         _set_observing(module, label not in ("float", "fxquant[off]"))
         for batch in batches:
             module(*batch)
     observer_types = ("Observer", "HistogramObserver", "FloatOnly")
     state = sum(b.numel() * b.element_size() for m in module.modules() if type(m).__name__.endswith(observer_types)
                 for b in m.buffers(recurse=False))
-    return {"peak_mb": _rss_mb(), "growth_mb": _rss_mb() - before, "state_kb": state / 1024}
+    forward_peak = _status_mb("VmHWM")
+    return {"peak_mb": max(peak, forward_peak), "growth_mb": forward_peak - before, "state_kb": state / 1024}
 
 
 def memory_of(name: str, label: str, batch_size: int) -> dict[str, float]:
@@ -148,7 +161,7 @@ def speed_table(name: str, batch_size: int, stats: dict[str, LatencyStats], memo
                 ) -> list[str]:
     base = stats["float"].median
     lines = [f"\n## {name}, batch {batch_size}: calibration forward vs float forward",
-             "| configuration | median ms | p90 ms | x float | peak RSS MB | RSS growth MB | observer state KB |",
+             "| configuration | median ms | p90 ms | x float | peak RSS MB | forward peak MB | observer state KB |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for label, s in stats.items():
         m = memory[label]
@@ -227,6 +240,7 @@ def accuracy_section() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small batches and short timing budgets")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads while timing (default 1)")
     parser.add_argument("--skip-memory", action="store_true", help="no per-configuration memory subprocesses")
     parser.add_argument("--probe", nargs=3, metavar=("MODEL", "LABEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -234,9 +248,10 @@ def main() -> None:
         print(json.dumps(probe_memory(args.probe[0], args.probe[1], int(args.probe[2]))))
         return
     print("# fxquant calibration benchmark\n" + "\n".join(f"- {line}" for line in environment_lines()))
+    print(f"- timing threads: {args.threads}; forward peak MB = peak RSS of the timed forwards above the RSS before")
     targets: list[str] = []
     for name, batch_size in (QUICK_WORKLOADS if args.quick else WORKLOADS).items():
-        stats = time_workload(name, batch_size, args.quick)
+        stats = time_workload(name, batch_size, args)
         nan = {"peak_mb": float("nan"), "growth_mb": float("nan"), "state_kb": float("nan")}
         memory = {label: nan if args.skip_memory else memory_of(name, label, batch_size) for label in stats}
         print("\n".join(speed_table(name, batch_size, stats, memory)), flush=True)

@@ -130,7 +130,7 @@ def load_observer_statistics(prepared: fx.GraphModule, statistics: dict[str, Any
                             f"{missing[:3] or 'none'}, saved for unknown observers {extra[:3] or 'none'}")
     observers = observers_of(prepared)
     for key, value in statistics.items():
-        name, _, attr = key.partition(".")
+        name, _, attr = key.rpartition(".")
         target = expected[key]
         if not isinstance(value, torch.Tensor) or value.shape != target.shape:
             raise ArtifactError(f"observer statistic {key}: saved shape {getattr(value, 'shape', None)} does not "

@@ -18,6 +18,7 @@ tokens, features)``, the transformer layout).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ import torch
 from torch import fx, nn
 
 from fxquant.observers import Observer
+
+log = logging.getLogger(__name__)
 
 MIN_SAMPLES = 32
 MIN_ELEMENTS = 1024
@@ -153,8 +156,12 @@ def channel_spreads(gm: fx.GraphModule, observers: Mapping[str, Observer], args:
                     kwargs: Mapping[str, Any]) -> list[ChannelSpread]:
     """Observed values of one batch whose channels differ by more than ``SPREAD_RATIO``, in graph order."""
     recorder = _ChannelRecorder(gm, observers)
-    with torch.inference_mode():
-        recorder.run(*_positional(gm, args, kwargs))
+    try:
+        with torch.inference_mode():
+            recorder.run(*_positional(gm, args, kwargs))
+    except Exception as exc:  # a hint must never fail the calibration it comments on
+        log.warning("calibration: per-channel diagnostics skipped (%s: %s)", type(exc).__name__, exc)
+        return []
     spreads = (_spread(observers[name].label, axis, amax) for name, (axis, amax) in recorder.amax.items())
     return [s for s in spreads if s is not None]
 

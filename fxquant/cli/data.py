@@ -3,14 +3,16 @@
 Accepted, tried in this order:
 
 * an ``.npy`` / ``.npz`` / ``.pt`` file of tensors (``.pt`` loads with ``weights_only``; nothing is unpickled): cut
-  into batches of ``--batch-size`` rows. An ``.npz`` or a tuple/list in a ``.pt`` gives tuples of its arrays (e.g.
-  ``(images, labels)``); a dict in a ``.pt`` gives dicts unless ``--columns`` picks and orders its keys;
+  into batches of ``--batch-size`` rows. A tensor gives tensors; an ``.npz`` or a tuple/list in a ``.pt`` gives
+  tuples of its arrays (e.g. ``(images, labels)``); a dict in a ``.pt`` gives dicts (keyword inputs);
 * a directory written by Hugging Face ``datasets`` (``save_to_disk``): read ``--batch-size`` rows at a time as dicts
-  of tensors, or tuples of the ``--columns`` given;
+  of tensors (``--split`` picks the split of a ``DatasetDict``);
 * ``PKG.MODULE:FUNCTION``: called with no arguments, it returns any iterable of batches (a DataLoader, a list...);
 * otherwise a Hugging Face hub dataset name, loaded with ``datasets.load_dataset`` when the network allows.
 
-``--transform PKG.MODULE:FUNCTION`` is applied to each batch (after loading, before ``--columns``).
+``--columns a,b`` turns dict batches into the tuple ``(batch["a"], batch["b"])`` (one column: just its value), the
+order positional inputs and ``(inputs, target)`` pairs need. ``--transform PKG.MODULE:FUNCTION`` is applied to each
+batch first.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ def _finish(source: Iterable[Any], opts: DataOptions, length: int | None) -> Bat
     return Batches(make, length)
 
 
-def _rows(columns: list[torch.Tensor], opts: DataOptions, single: bool) -> Batches:
+def _rows(columns: list[torch.Tensor], opts: DataOptions, wrap: Callable[[tuple[Any, ...]], Any]) -> Batches:
+    """Cut equally long ``columns`` into batches of ``--batch-size`` rows; ``wrap`` shapes each batch."""
     rows = {len(c) for c in columns}
     if len(rows) != 1:
         raise InputError(f"--data {opts.spec!r}: arrays have different numbers of rows {sorted(rows)}")
@@ -102,22 +105,21 @@ def _rows(columns: list[torch.Tensor], opts: DataOptions, single: bool) -> Batch
 
     def make() -> Iterator[Any]:
         for i in starts:
-            parts = tuple(c[i:i + opts.batch_size] for c in columns)
-            yield parts[0] if single else parts
+            yield wrap(tuple(c[i:i + opts.batch_size] for c in columns))
 
     return Batches(make, len(starts))
 
 
-def _tensor_columns(value: Any, opts: DataOptions) -> tuple[list[torch.Tensor], bool]:
-    """The tensors of a loaded file, ordered by ``--columns`` for named ones; ``single`` for a bare tensor."""
+def _table(value: Any, opts: DataOptions) -> Batches:
+    """Batches of a loaded file: a tensor gives tensors, a tuple/list tuples, a dict dicts (``--columns`` picks)."""
     if isinstance(value, (torch.Tensor, np.ndarray)):
-        return [torch.as_tensor(value)], True
-    if isinstance(value, dict):
-        names = opts.columns or tuple(value)
-        _check_columns(list(value), names, f"--data {opts.spec!r}")
-        return [torch.as_tensor(value[n]) for n in names], len(names) == 1
+        return _rows([torch.as_tensor(value)], opts, lambda parts: parts[0])
+    if isinstance(value, dict) and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in value.values()):
+        names = list(value)
+        tensors = [torch.as_tensor(v) for v in value.values()]
+        return _rows(tensors, opts, lambda parts: dict(zip(names, parts, strict=True)))
     if isinstance(value, (tuple, list)) and all(isinstance(v, (torch.Tensor, np.ndarray)) for v in value):
-        return [torch.as_tensor(v) for v in value], False
+        return _rows([torch.as_tensor(v) for v in value], opts, tuple)
     raise InputError(f"--data {opts.spec!r} holds a {type(value).__name__}; save a tensor, a tuple/list of tensors "
                      "or a dict of tensors")
 
@@ -130,10 +132,13 @@ def _load_file(path: Path, opts: DataOptions) -> Batches:
             loaded = np.load(path, allow_pickle=False)  # object arrays would need unpickling: refused
         except (ValueError, OSError) as exc:
             raise InputError(f"--data {opts.spec!r}: cannot read {path.suffix} file ({exc})") from None
-        value = {k: loaded[k] for k in loaded.files} if path.suffix == ".npz" else loaded
-    columns, single = _tensor_columns(value, opts)
-    # the file's columns were chosen when it was read; only the transform is left to apply per batch
-    return _finish(_rows(columns, opts, single), dataclasses.replace(opts, columns=()), None)
+        if path.suffix == ".npz":  # arrays in file order, e.g. (images, labels), unless --columns says otherwise
+            value = {k: loaded[k] for k in loaded.files}
+            opts = dataclasses.replace(opts, columns=opts.columns or tuple(loaded.files))
+        else:
+            value = loaded
+    batches = _table(value, opts)
+    return _finish(batches, opts, len(batches))
 
 
 def _hf_batches(dataset: Any, opts: DataOptions) -> Batches:

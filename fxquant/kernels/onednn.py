@@ -12,7 +12,7 @@ Conventions, checked against the op schemas of torch 2.13 and numerically agains
 * Weight zero points must be 0; scales are 0-d (per-tensor) or one per output channel.
 * Conv returns channels-last tensors, so inputs are made channels-last up front (a no-op between two convs).
 
-What does not work, measured with torch 2.13 (see ``tests/kernels/test_onednn_pitfalls.py``):
+What does not work, measured with torch 2.13 (see ``tests/kernels/test_onednn_backend.py``):
 
 * conv3d gives wrong results (whole output rows off by up to 255 steps) for common geometries such as a 2x2x2
   kernel with stride (1, 1, 2), can crash the process on small inputs, and has no ReLU post-op. It raises

@@ -26,6 +26,7 @@ class _State:
     gm: fx.GraphModule
     int8: set[fx.Node]
     input_observers: dict[fx.Node, fx.Node]
+    prefix: str = ""
     count: int = 0
 
 
@@ -47,36 +48,41 @@ def _observe_output(state: _State, node: fx.Node, settings: LayerSettings, label
     state.int8.add(obs)
 
 
-def _where(node: fx.Node) -> str:
+def _where(node: fx.Node, prefix: str) -> str:
     """A module path for module calls (what users and configs name), the node name otherwise."""
-    return str(node.target) if node.op == "call_module" else node.name
+    return prefix + (str(node.target) if node.op == "call_module" else node.name)
 
 
 def _observe_input(state: _State, consumer: fx.Node, value: fx.Node, settings: LayerSettings) -> None:
     """Route ``consumer``'s read of float ``value`` through an observer (shared by all int8 consumers)."""
     if value not in state.input_observers:
-        name = _new_observer(state, settings, f"{_where(value)} (input of {_where(consumer)})")
+        name = _new_observer(state, settings, f"{_where(value, state.prefix)} (input of "
+                                              f"{_where(consumer, state.prefix)})")
         with state.gm.graph.inserting_before(consumer):
             state.input_observers[value] = state.gm.graph.call_module(name, (value,))
         state.int8.add(state.input_observers[value])
     consumer.replace_input_with(value, state.input_observers[value])
 
 
-def resolve_layer_settings(gm: fx.GraphModule, config: QuantConfig) -> None:
-    """Record each Linear/Conv node's resolved settings in ``node.meta[LAYER_SETTINGS]``."""
+def resolve_layer_settings(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> None:
+    """Record each Linear/Conv node's resolved settings in ``node.meta[LAYER_SETTINGS]``.
+
+    ``prefix`` is the path of ``gm`` inside the user's model (for graphs of submodules), so patterns match the
+    paths users see.
+    """
     modules = modules_of(gm)
     compute = [n for n in nodes_of(gm) if classify(n, modules) is OpKind.COMPUTE]
     for index, node in enumerate(compute):
         position = "first" if index == 0 else "last" if index == len(compute) - 1 else ""
         module_type = type(compute_module(modules[str(node.target)])).__name__
-        node.meta[LAYER_SETTINGS] = config.settings_for(str(node.target), module_type, position=position)
+        node.meta[LAYER_SETTINGS] = config.settings_for(prefix + str(node.target), module_type, position=position)
 
 
-def insert_observers(gm: fx.GraphModule, config: QuantConfig) -> fx.GraphModule:
-    """Add observers to ``gm`` (in place) following ``config``; returns ``gm``."""
-    resolve_layer_settings(gm, config)
+def insert_observers(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> fx.GraphModule:
+    """Add observers to ``gm`` (in place) following ``config``; returns ``gm``. See ``resolve_layer_settings``."""
+    resolve_layer_settings(gm, config, prefix)
     modules = modules_of(gm)
-    state = _State(gm, set(), {})
+    state = _State(gm, set(), {}, prefix)
     default = config.settings_for("")
     for node in nodes_of(gm):
         kind = classify(node, modules)
@@ -87,7 +93,7 @@ def insert_observers(gm: fx.GraphModule, config: QuantConfig) -> fx.GraphModule:
                 continue
             if value not in state.int8:
                 _observe_input(state, node, value, settings)
-            _observe_output(state, node, settings, str(node.target))
+            _observe_output(state, node, settings, prefix + str(node.target))
         elif kind in (OpKind.BINARY, OpKind.JOIN):
             args = join_inputs(node) if kind is OpKind.JOIN else [a for a in node.args[:2] if isinstance(a, fx.Node)]
             if not any(a in state.int8 for a in args):
@@ -95,7 +101,7 @@ def insert_observers(gm: fx.GraphModule, config: QuantConfig) -> fx.GraphModule:
             for arg in args:
                 if arg not in state.int8:
                     _observe_input(state, node, arg, default)
-            _observe_output(state, node, default, node.name)
+            _observe_output(state, node, default, prefix + node.name)
         elif kind in (OpKind.VALUE, OpKind.STRUCTURAL) and tensor_input(node) in state.int8:
             state.int8.add(node)
     return finish(gm)

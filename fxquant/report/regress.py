@@ -73,7 +73,7 @@ def _fmt(value: float, unit: str, *, signed: bool = False) -> str:
     if unit == "x":
         return f"{value:{sign}.2f}x"
     if unit == "%":
-        return f"{value:{sign}.1f}%"
+        return f"{value:{sign}.2f}%"
     return f"{value:{sign}.2f} {unit}" if unit else f"{value:{sign}.4g}"
 
 
@@ -138,11 +138,12 @@ def _accuracy_rows(new: Report, base: Report, limits: Limits) -> list[Row]:
     points = acc.points_per_unit
     unit = "pts" if points == 100 else ""
     drop = (old.quantized_value - acc.quantized_value) * points * (1 if acc.higher_is_better else -1)
+    value_unit = "%" if points == 100 else ""
     quantized = Row(f"{acc.metric} (int8)", old.quantized_value * points, acc.quantized_value * points,
-                    (acc.quantized_value - old.quantized_value) * points, limits.max_accuracy_drop, unit, unit,
+                    (acc.quantized_value - old.quantized_value) * points, limits.max_accuracy_drop, unit, value_unit,
                     _check(drop, limits.max_accuracy_drop, upper=True))
     floating = Row(f"{acc.metric} (float)", old.float_value * points, acc.float_value * points,
-                   (acc.float_value - old.float_value) * points, None, unit, unit, None)
+                   (acc.float_value - old.float_value) * points, None, unit, value_unit, None)
     return [quantized, floating]
 
 

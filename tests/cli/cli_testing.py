@@ -22,12 +22,6 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[
                           env=env, cwd=cwd)
 
 
-def snapshot(directory: Path) -> dict[str, str]:
-    """Relative path -> SHA-256 of every file under ``directory``: 'nothing changed' means equal snapshots."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 @dataclass
 class Outcome:
     returncode: int

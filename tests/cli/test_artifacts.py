@@ -122,7 +122,7 @@ def test_a_pickled_payload_is_refused_even_with_matching_hashes(tmp_path: Path) 
 def test_newer_format_is_refused(tmp_path: Path) -> None:
     fxquant.save(_quantized(), tmp_path / "art")
     _resign(tmp_path / "art", lambda m: m.update(format_version=2))
-    with pytest.raises(ArtifactError, match="artifact format 2.*upgrade fxquant"):
+    with pytest.raises(ArtifactError, match=r"artifact format 2.*upgrade fxquant"):
         fxquant.load(tmp_path / "art", _model())
 
 

@@ -30,7 +30,7 @@ def test_npz_gives_tuples_in_file_order_or_columns_order(tmp_path: Path) -> None
     assert images.shape == (6, 3) and labels.tolist() == list(range(6))
     only = _batches(tmp_path / "d.npz", batch_size=3, columns=("labels",))
     assert [b.tolist() for b in only] == [[0, 1, 2], [3, 4, 5]]
-    with pytest.raises(InputError, match="no column 'label'.*Did you mean 'labels'"):
+    with pytest.raises(InputError, match=r"no column 'label'.*Did you mean 'labels'"):
         _batches(tmp_path / "d.npz", columns=("label",))
 
 

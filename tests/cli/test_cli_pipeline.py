@@ -33,8 +33,10 @@ def _check(result: subprocess.CompletedProcess[str], step: str) -> str:
 
 
 def _chain(tmp_path: Path, weights: Path) -> Path:
+    """prepare -> calibrate -> convert; data as .npz files so the subprocesses need not import scikit-learn."""
     splits = load_digits_splits()
-    np.savez(tmp_path / "calib.npz", images=splits["calib"][0].numpy(), labels=splits["calib"][1].numpy())
+    for split in ("calib", "test"):
+        np.savez(tmp_path / f"{split}.npz", images=splits[split][0].numpy(), labels=splits[split][1].numpy())
     run = tmp_path / "run"
     _check(run_cli("prepare", "--model", "fxquant.models:digits_cnn", "--weights", str(weights),
                    "--example-inputs", "1x1x8x8", "-o", str(run)), "prepare")
@@ -49,7 +51,7 @@ def _chain(tmp_path: Path, weights: Path) -> Path:
 def test_prepare_calibrate_convert_report_regress_export(tmp_path: Path, digits_weights: Path) -> None:
     run = _chain(tmp_path, digits_weights)
     report_path = tmp_path / "report.json"
-    _check(run_cli("--quiet", "report", str(run), "--data", "fxquant.models.digits:digits_eval_data",
+    _check(run_cli("--quiet", "report", str(run), "--data", str(tmp_path / "test.npz"), "--batch-size", "120",
                    "--format", "json", "-o", str(report_path), "--latency-budget", "0.5", "--threads", "1"),
            "report")
     report = json.loads(report_path.read_text())

@@ -35,6 +35,10 @@ class ConvCase:
     bias: bool
     relu: bool
 
+    @property
+    def flags(self) -> tuple[bool, bool, bool]:
+        return self.per_channel, self.bias, self.relu
+
 
 @dataclass(frozen=True)
 class Layer:

@@ -159,21 +159,29 @@ def test_adaptive_avg_pool_matches_reference(name: str, dim: int, output_size: A
     assert steps(got, want, qp) <= 1
 
 
+def _after_conv(b: Backend, layer: Layer, spec: ConvSpec, out_qp: QParams) -> list[torch.Tensor]:
+    """A conv output fed to relu, to add (next to a contiguous tensor) and to max-pool, each dequantized."""
+    packed = b.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+    y = b.conv(b.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=False)
+    other = b.quantize(torch.linspace(-1, 1, y.numel()).reshape(y.shape), out_qp)
+    pool = {"kernel_size": 3, "stride": 2, "padding": 1}
+    outputs = [b.relu(y, out_qp), b.add(y, other, out_qp, out_qp, out_qp, relu=False),
+               b.max_pool(y, out_qp, spec.dim, pool)]
+    return [b.dequantize(out, out_qp) for out in outputs]
+
+
 @pytest.mark.parametrize("name", BACKENDS)
-def test_conv_output_feeds_relu_and_add(name: str) -> None:
-    """Conv outputs may be channels-last (oneDNN, qnnpack); the element-wise ops after them must read them right."""
-    backend, ref = _backend(name), reference_backend()
-    spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
-    case = ConvCase(spec, 2, 3, 6, (3, 3), (9, 8), per_channel=True, bias=True, relu=False)
-    layer: Layer = conv_layer(case, backend.activation_qrange(feeds_grouped_conv=False), seed=3)
-    out_qp = output_qparams(float_conv(layer, case.spec))
-    results = []
-    for b in (backend, ref):
-        packed = b.prepack_conv(layer.q_w, layer.w_qp, layer.bias, case.spec, in_qp=layer.in_qp)
-        y = b.conv(b.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=False)
-        other = b.quantize(torch.linspace(-1, 1, y.numel()).reshape(y.shape), out_qp)  # contiguous
-        results.append((b.dequantize(b.relu(y, out_qp), out_qp),
-                        b.dequantize(b.add(y, other, out_qp, out_qp, out_qp, relu=False), out_qp)))
-    (got_relu, got_add), (want_relu, want_add) = results
-    assert steps(got_relu, want_relu, out_qp) <= 1
-    assert steps(got_add, want_add, out_qp) <= 1
+@pytest.mark.parametrize("dim", [1, 2])
+def test_conv_output_feeds_relu_add_and_max_pool(name: str, dim: int) -> None:
+    """Conv outputs may be channels-last (oneDNN, qnnpack); the ops after them must read them right. More than 127
+    positions per channel, where torch's channels-last int8 max-pool fails."""
+    backend = _backend(name, dim)
+    spec = ConvSpec(dim, (1,) * dim, (1,) * dim, (1,) * dim, 1)
+    size = (150,) if dim == 1 else (12, 13)
+    case = ConvCase(spec, 2, 3, 6, (3,) * dim, size, per_channel=True, bias=True, relu=False)
+    layer = conv_layer(case, backend.activation_qrange(feeds_grouped_conv=False), seed=3)
+    out_qp = output_qparams(float_conv(layer, spec))
+    got = _after_conv(backend, layer, spec, out_qp)
+    want = _after_conv(reference_backend(), layer, spec, out_qp)
+    for op, g, w in zip(("relu", "add", "max_pool"), got, want, strict=True):
+        assert steps(g, w, out_qp) <= 1, f"{name}: {op} after conv{dim}d is {steps(g, w, out_qp)} LSB off"

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kernel_contract_cases import (
     CONTRACT,
+    FLOAT_CONVS,
     ConvCase,
     activation,
     conv_cases,
@@ -30,7 +31,7 @@ from kernel_contract_cases import (
 import fxquant.kernels.reference as reference_module
 from fxquant.errors import ConfigError
 from fxquant.kernels.plain_int8 import requantize
-from fxquant.kernels.reference import integer_linear
+from fxquant.kernels.reference import integer_conv, integer_linear
 from fxquant.qparams import QParams, affine_qparams, dequantize, fake_quantize
 
 
@@ -70,6 +71,24 @@ def test_integer_linear_is_exact(rows: int, k: int, n: int) -> None:
     w = torch.randint(-128, 128, (n, k), generator=gen).to(torch.int8)
     want = (a.long() - 77) @ w.long().t()
     assert torch.equal(integer_linear(a, 77, w).long(), want)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_depthwise_taps_equal_float64_conv_exactly(dim: int) -> None:
+    """The tap-by-tap depthwise path must give the very integers of PyTorch's float64 grouped conv."""
+
+    @CONTRACT
+    @given(case=conv_cases(dim), seed=st.integers(0, 2**16))
+    def check(case: ConvCase, seed: int) -> None:
+        spec = case.spec
+        depthwise = ConvCase(spec, case.batch, spec.groups, case.out_channels, case.kernel, case.size, *case.flags)
+        layer = conv_layer(depthwise, (0, 255), seed)
+        zero_point = int(layer.in_qp.zero_point)
+        want = FLOAT_CONVS[dim](layer.q_x.double() - zero_point, layer.q_w.double(), None, spec.stride,
+                                spec.padding, spec.dilation, spec.groups)
+        assert torch.equal(integer_conv(layer.q_x, zero_point, layer.q_w, spec), want)
+
+    check()
 
 
 def test_add_matches_float_add_then_fake_quant() -> None:

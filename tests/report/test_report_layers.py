@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import FAST, quantize_digits
+from report_helpers import FAST, digits_model, digits_qmodel, digits_report, quantize_digits
 from torch import fx, nn
 
 import fxquant
@@ -13,24 +13,24 @@ from fxquant.models.digits import digits_loader
 from fxquant.nn.fused import Fused
 from fxquant.nn.quantized import QuantizedConvNd
 from fxquant.report.layers import CaptureInterpreter, float_reference, layer_paths
-from fxquant.report.schema import Report
 
 
-def test_float_reference_folds_and_fuses_like_the_converted_model(digits_model: nn.Module) -> None:
-    reference = float_reference(digits_model, ())
+def test_float_reference_folds_and_fuses_like_the_converted_model() -> None:
+    model = digits_model()
+    reference = float_reference(model, ())
     assert isinstance(reference.get_submodule("conv1"), Fused)  # conv + bn + relu in one module, as in int8
     x = torch.rand(4, 1, 8, 8)
-    capture = CaptureInterpreter(reference, layer_paths(digits_model))
+    capture = CaptureInterpreter(reference, layer_paths(model))
     out = capture.run(x)
     with torch.no_grad():
-        expected = digits_model.relu1(digits_model.bn1(digits_model.conv1(x)))
-        torch.testing.assert_close(out, digits_model(x), rtol=1e-4, atol=1e-5)
+        expected = model.relu1(model.bn1(model.conv1(x)))
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(capture.captured["conv1"][1], expected, rtol=1e-4, atol=1e-5)
     assert set(capture.captured) == {"conv1", "conv2", "fc1", "fc2"}
 
 
-def test_every_layer_is_listed_with_its_backend_ranges_and_reason(digits_report: Report) -> None:
-    layers = {layer.name: layer for layer in digits_report.layers}
+def test_every_layer_is_listed_with_its_backend_ranges_and_reason() -> None:
+    layers = {layer.name: layer for layer in digits_report().layers}
     assert [layers[n].quantized for n in ("conv1", "conv2", "fc1", "fc2")] == [True, True, True, False]
     assert layers["fc2"].reason == "excluded by config" and layers["fc2"].backend == "float"
     for name in ("conv1", "conv2", "fc1"):
@@ -42,7 +42,7 @@ def test_every_layer_is_listed_with_its_backend_ranges_and_reason(digits_report:
         assert layer.activation_range is not None and layer.activation_range[0] >= 0  # fused ReLU
         assert layer.weight_histogram is not None and sum(layer.weight_histogram.counts) > 0
         assert layer.quant_range is not None and layer.weight_sqnr_db is not None
-    assert [layer.name for layer in digits_report.ranking()] == sorted(
+    assert [layer.name for layer in digits_report().ranking()] == sorted(
         ["conv1", "conv2", "fc1"], key=lambda n: layers[n].isolated_sqnr_db or 0.0)
 
 
@@ -55,13 +55,13 @@ def _damage(qmodel: fx.GraphModule, path: str) -> None:
     module.relower(module.backend)
 
 
-def test_a_damaged_layer_ranks_first(digits_model: nn.Module, digits_report: Report) -> None:
-    qmodel = quantize_digits(digits_model, exclude=["fc2"])
+def test_a_damaged_layer_ranks_first() -> None:
+    qmodel = quantize_digits(exclude=["fc2"])
     _damage(qmodel, "conv2")  # a middle layer: later layers inherit its error, the isolated SQNR must not
-    report = fxquant.report(digits_model, qmodel, digits_loader("test", batch_size=64), max_batches=2, **FAST)
+    report = fxquant.report(digits_model(), qmodel, digits_loader("test", batch_size=64), max_batches=2, **FAST)
     ranking = [layer.name for layer in report.ranking()]
     damaged = {layer.name: layer for layer in report.layers}["conv2"]
-    healthy = {layer.name: layer for layer in digits_report.layers}["conv2"]
+    healthy = {layer.name: layer for layer in digits_report().layers}["conv2"]
     assert ranking[0] == "conv2", f"ranking {ranking}: {[(x.name, x.isolated_sqnr_db) for x in report.ranking()]}"
     assert damaged.isolated_sqnr_db is not None and healthy.isolated_sqnr_db is not None
     assert damaged.isolated_sqnr_db < healthy.isolated_sqnr_db - 20, (
@@ -69,17 +69,17 @@ def test_a_damaged_layer_ranks_first(digits_model: nn.Module, digits_report: Rep
     assert report.to_dict()["sensitivity_ranking"][0] == "conv2"
 
 
-def test_report_rejects_models_it_cannot_compare(digits_model: nn.Module, digits_qmodel: fx.GraphModule) -> None:
+def test_report_rejects_models_it_cannot_compare() -> None:
     data = digits_loader("test", batch_size=64)
     with pytest.raises(InputError, match="not produced by fxquant"):
-        fxquant.report(digits_model, fx.symbolic_trace(digits_model), data, **FAST)
-    prepared = fxquant.prepare(digits_model, (torch.rand(1, 1, 8, 8),))
+        fxquant.report(digits_model(), fx.symbolic_trace(digits_model()), data, **FAST)
+    prepared = fxquant.prepare(digits_model(), (torch.rand(1, 1, 8, 8),))
     with pytest.raises(InputError, match="convert"):
-        fxquant.report(digits_model, prepared, data, **FAST)
+        fxquant.report(digits_model(), prepared, data, **FAST)
     with pytest.raises(InputError, match="needs targets"):
-        fxquant.report(digits_model, digits_qmodel, [torch.rand(2, 1, 8, 8)], **FAST)
+        fxquant.report(digits_model(), digits_qmodel(), [torch.rand(2, 1, 8, 8)], **FAST)
     with pytest.raises(fxquant.errors.ConfigError, match="batch_sizes"):
-        fxquant.report(digits_model, digits_qmodel, data, batch_sizes=[0], **FAST)
+        fxquant.report(digits_model(), digits_qmodel(), data, batch_sizes=[0], **FAST)
 
 
 def test_the_top_level_name_is_the_function_and_the_modules_still_import() -> None:

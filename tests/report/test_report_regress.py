@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_report_schema import API_EXAMPLE
+from report_helpers import API_EXAMPLE, digits_report
 
 import fxquant
 from fxquant.errors import ArtifactError
@@ -82,7 +82,7 @@ def test_cli_runs_as_a_module(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "fxquant.report.regress", new, "--baseline", baseline, "--max-size-increase", "5"]
     run = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert run.returncode == 1, run.stderr
-    assert "int8 size" in run.stdout and "+100.0%" in run.stdout
+    assert "int8 size" in run.stdout and "+100.00%" in run.stdout
 
 
 def test_different_metrics_are_not_compared() -> None:
@@ -92,25 +92,25 @@ def test_different_metrics_are_not_compared() -> None:
         compare(other, _report())
 
 
-def test_assert_no_regression_takes_reports_dicts_and_paths(tmp_path: Path, digits_report: Report) -> None:
+def test_assert_no_regression_takes_reports_dicts_and_paths(tmp_path: Path) -> None:
     path = tmp_path / "baseline.json"
-    digits_report.to_json(path)
-    result = fxquant.assert_no_regression(digits_report, path, max_accuracy_drop=0.0, max_size_increase=0.0,
+    digits_report().to_json(path)
+    result = fxquant.assert_no_regression(digits_report(), path, max_accuracy_drop=0.0, max_size_increase=0.0,
                                           min_sqnr=10)
     assert result.passed
-    worse = digits_report.to_dict()
+    worse = digits_report().to_dict()
     worse["accuracy"]["quantized"] -= 0.02
     with pytest.raises(AssertionError, match=r"(?s)regressed.*top1 \(int8\).*-2.00 pts.*FAIL"):
-        fxquant.assert_no_regression(worse, digits_report, max_accuracy_drop=1.0)
-    assert Report.from_dict(worse).accuracy.drop > digits_report.accuracy.drop
+        fxquant.assert_no_regression(worse, digits_report(), max_accuracy_drop=1.0)
+    assert Report.from_dict(worse).accuracy.drop > digits_report().accuracy.drop
 
 
-def test_latency_is_compared_at_the_same_batch_size(digits_report: Report) -> None:
-    data = digits_report.to_dict()
+def test_latency_is_compared_at_the_same_batch_size() -> None:
+    data = digits_report().to_dict()
     batch_8 = {**data, "latency_ms": {**data["latency_ms"]["by_batch_size"][1], "threads": 1}}
-    row = compare(batch_8, digits_report).rows[2]
+    row = compare(batch_8, digits_report()).rows[2]
     assert row.metric == "speed-up, batch 8 (latency +%)" and row.delta == 0
     batch_3 = copy.deepcopy(batch_8)
     batch_3["latency_ms"]["batch_size"] = 3
     with pytest.raises(ArtifactError, match="no latency at batch size 3"):
-        compare(batch_3, digits_report)
+        compare(batch_3, digits_report())

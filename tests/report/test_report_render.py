@@ -7,7 +7,7 @@ import copy
 import re
 from pathlib import Path
 
-from test_report_schema import API_EXAMPLE
+from report_helpers import API_EXAMPLE, digits_report
 
 from fxquant.report.schema import Report
 
@@ -32,8 +32,8 @@ def _cells(row: str) -> int:
     return len(re.split(r"(?<!\\)\|", row)) - 2
 
 
-def test_markdown_tables_have_a_consistent_shape(digits_report: Report) -> None:
-    text = digits_report.to_markdown()
+def test_markdown_tables_have_a_consistent_shape() -> None:
+    text = digits_report().to_markdown()
     tables = _tables(text)
     assert len(tables) == 3  # summary, latency per batch size, layers
     for table in tables:
@@ -42,7 +42,7 @@ def test_markdown_tables_have_a_consistent_shape(digits_report: Report) -> None:
     summary, latency, layers = tables
     assert summary[2].startswith("| top1 (360 samples) |")
     assert len(latency) == 2 + 2  # header, rule, batch 1, batch 8
-    assert len(layers) == 2 + len(digits_report.layers)
+    assert len(layers) == 2 + len(digits_report().layers)
     assert "| `fc2` | Linear | float | float |" in text and "excluded by config" in text
     assert "Most sensitive layers" in text and "avx512_vnni" not in text.split("### Environment")[0]
 
@@ -54,9 +54,9 @@ def test_markdown_escapes_pipes_in_layer_names() -> None:
     assert len({_cells(row) for row in table}) == 1
 
 
-def test_html_is_one_file_with_the_charts_inline(digits_report: Report, tmp_path: Path) -> None:
+def test_html_is_one_file_with_the_charts_inline(tmp_path: Path) -> None:
     path = tmp_path / "report.html"
-    text = digits_report.to_html(path)
+    text = digits_report().to_html(path)
     assert path.read_text() == text and text.startswith("<!DOCTYPE html>")
     images = re.findall(r'<img alt="([^"]+)" src="data:image/png;base64,([A-Za-z0-9+/=]+)">', text)
     assert [alt for alt, _ in images] == ["per-layer SQNR bar chart", "latency comparison chart", "range histograms"]

@@ -1,0 +1,85 @@
+"""INT8 islands inside untraceable blocks: what partial tracing cannot put in the main graph, it quantizes alone.
+
+When torch.fx cannot trace a block (data-dependent ``if``, unsupported Python), the block stays a float leaf of the
+main graph; its children are traced one by one, and each one that traces becomes a prepared GraphModule of its own
+(quantize at its input, dequantize at its output). A child that does not trace either is descended into, down to
+single Linear/Conv layers, so every layer torch.fx can reach is quantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import fx, nn
+
+from fxquant.config import QuantConfig
+from fxquant.errors import TraceError
+from fxquant.kernels.base import Backend
+from fxquant.nn.fused import COMPUTE_TYPES
+from fxquant.passes import fold_batchnorm, functional_to_modules, fuse_activations, insert_observers, lower_to_int8
+from fxquant.passes._graph import replace_submodule
+from fxquant.state import STATE_KEY, QuantState, quant_state
+from fxquant.tracing import GraphBreak, trace_partially
+
+
+def prepare_graph(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> fx.GraphModule:
+    """The prepare passes on one traced graph: functional -> modules, fold BN, fuse, observers."""
+    return insert_observers(fuse_activations(fold_batchnorm(functional_to_modules(gm))), config, prefix)
+
+
+def _has_compute(module: nn.Module) -> bool:
+    return any(type(m) in COMPUTE_TYPES for m in module.modules())
+
+
+def _single_layer_graph(name: str, layer: nn.Module) -> fx.GraphModule:
+    """``x -> layer(x)`` with the layer called as ``name``: a traced graph of one leaf, keeping its real path."""
+    graph = fx.Graph()
+    graph.output(graph.call_module(name, (graph.placeholder("x"),)))
+    holder = nn.Module()
+    holder.add_module(name, layer)
+    return fx.GraphModule(holder, graph, type(layer).__name__)
+
+
+def _prepare_child(parent: nn.Module, name: str, path: str, config: QuantConfig) -> None:
+    child = parent.get_submodule(name)
+    if not _has_compute(child):
+        return
+    breaks: tuple[GraphBreak, ...] = ()
+    if type(child) in COMPUTE_TYPES:
+        gm, prefix = _single_layer_graph(name, child), path.removesuffix(name)
+    else:
+        try:
+            gm, breaks = trace_partially(child, leaf_modules=config.leaf_modules)
+        except TraceError:
+            for grandchild in dict(child.named_children()):
+                _prepare_child(child, grandchild, f"{path}.{grandchild}", config)
+            return
+        prefix = f"{path}."
+    gm = prepare_graph(gm, config, prefix=prefix)
+    gm.meta[STATE_KEY] = QuantState(config, "prepared", (), graph_breaks=breaks, prefix=prefix)
+    prepare_islands(gm, breaks, config, prefix=prefix)
+    setattr(parent, name, gm)
+
+
+def prepare_islands(gm: fx.GraphModule, breaks: tuple[GraphBreak, ...], config: QuantConfig,
+                    prefix: str = "") -> None:
+    """Quantize inside every untraceable block of ``gm`` (in place), as far down as torch.fx can trace."""
+    for graph_break in breaks:
+        block = gm.get_submodule(graph_break.path)
+        for name in dict(block.named_children()):
+            _prepare_child(block, name, f"{prefix}{graph_break.path}.{name}", config)
+
+
+def prepared_islands(gm: nn.Module) -> dict[str, fx.GraphModule]:
+    """Path -> prepared island GraphModule, deepest first (so lowering can go bottom-up)."""
+    found = {path: m for path, m in gm.named_modules() if path and isinstance(m, fx.GraphModule)
+             and isinstance(m.meta.get(STATE_KEY), QuantState) and quant_state(m).stage == "prepared"}
+    return dict(sorted(found.items(), key=lambda item: -item[0].count(".")))
+
+
+def lower_islands(gm: fx.GraphModule, backend: Backend) -> None:
+    """Lower every prepared island inside ``gm`` (in place) to INT8 on ``backend``."""
+    for path, island in prepared_islands(gm).items():
+        lowered = lower_to_int8(island, quant_state(island).config, backend)
+        lowered.meta[STATE_KEY] = replace(quant_state(island), stage="converted", backend=backend.name)
+        replace_submodule(gm, path, lowered)
