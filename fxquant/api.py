@@ -15,14 +15,14 @@ from torch import fx, nn
 
 from fxquant.calibration import calibrate, observers_of
 from fxquant.config import QuantConfig
-from fxquant.errors import CalibrationError, InputError
-from fxquant.islands import lower_islands, prepare_graph, prepare_islands
+from fxquant.errors import CalibrationError, InputError, TraceError
+from fxquant.islands import lower_islands, prepare_graph, prepare_islands, wrap_untraceable_root
 from fxquant.kernels.registry import get_backend
 from fxquant.observers import switch_method
 from fxquant.passes import lower_to_int8
 from fxquant.passes._graph import replace_submodule
 from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
-from fxquant.tracing import trace, trace_partially
+from fxquant.tracing import GraphBreak, trace, trace_partially
 
 
 def _check_model(model: nn.Module) -> None:
@@ -75,16 +75,22 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
     example_inputs = _check_example_inputs(example_inputs)
     options: dict[str, Any] = dict(leaf_modules=config.leaf_modules, concrete_args=concrete_args,
                                    tracer_class=tracer_class)
-    if config.partial_tracing:
-        gm, breaks = trace_partially(copy.deepcopy(model), **options)
-    else:
+    wrapped, breaks = False, tuple[GraphBreak, ...]()
+    if not config.partial_tracing:
         gm, breaks = trace(copy.deepcopy(model), **options), ()
+    else:
+        try:
+            gm, breaks = trace_partially(copy.deepcopy(model), **options)
+        except TraceError as error:  # the root's own forward does not trace: quantize what is inside it
+            gm, inner = wrap_untraceable_root(copy.deepcopy(model), config)
+            breaks, wrapped = (error.failure, *inner), True
     _run_example(gm, example_inputs)
-    gm = prepare_graph(gm, config)
-    prepare_islands(gm, breaks, config)
+    if not wrapped:
+        gm = prepare_graph(gm, config)
+        breaks = (*breaks, *prepare_islands(gm, breaks, config))
     specs = tuple(InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
                   for v in example_inputs if isinstance(v, torch.Tensor))
-    gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks)
+    gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped)
     return gm
 
 

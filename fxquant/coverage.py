@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 from torch import fx, nn
 
+from fxquant.islands import WRAPPED
 from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import COMPUTE_TYPES, Fused
 from fxquant.nn.quantized import DeQuantize, Quantize, _QuantizedWeighted
@@ -85,11 +86,13 @@ def _row(gm: fx.GraphModule, node: fx.Node, path: str, state: QuantState) -> Lay
 def _unreached(gm: fx.GraphModule, seen: set[str], breaks: dict[str, str]) -> list[LayerCoverage]:
     """Layers no graph calls: inside an untraceable block or a leaf, or used in an unsupported way."""
     rows = []
-    for path, module in gm.named_modules():
+    wrapped = quant_state(gm).wrapped
+    for full_path, module in gm.named_modules():
+        path = full_path.removeprefix(f"{WRAPPED}.") if wrapped else full_path
         if type(module) not in COMPUTE_TYPES or path in seen or isinstance(gm.get_submodule(
-                path.rpartition(".")[0]), Fused):
+                full_path.rpartition(".")[0]), Fused):
             continue
-        why = next((r for block, r in breaks.items() if path.startswith(block + ".")),
+        why = next((r for block, r in breaks.items() if not block or path.startswith(block + ".")),
                    "not called as a module in the traced graph (unsupported pattern or config.leaf_modules)")
         rows.append(LayerCoverage(path, type(module).__name__, False, why))
     return rows
@@ -106,7 +109,7 @@ def coverage(gm: fx.GraphModule) -> Coverage:
     breaks: dict[str, str] = {}
     counts: dict[type[nn.Module], int] = {Quantize: 0, DeQuantize: 0}
     for graph, prefix, state in _graphs(gm):
-        breaks |= {prefix + b.path: f"inside untraceable block {prefix + b.path!r}: {b.reason} ({b.location})"
+        breaks |= {prefix + b.path: f"inside untraceable {_block(prefix + b.path)}: {b.reason} ({b.location})"
                    for b in state.graph_breaks}
         for node in graph.graph.nodes:
             if node.op != "call_module":
@@ -119,6 +122,10 @@ def coverage(gm: fx.GraphModule) -> Coverage:
     seen = {r.path for r in rows}
     rows += [r for r in _unreached(gm, seen, breaks) if not _is_island_layer(r.path, seen)]
     return Coverage(tuple(rows), counts[Quantize], counts[DeQuantize], tuple(breaks.values()))
+
+
+def _block(path: str) -> str:
+    return f"block {path!r}" if path else "forward of the model itself"
 
 
 def _is_island_layer(path: str, seen: set[str]) -> bool:

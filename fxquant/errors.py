@@ -6,6 +6,8 @@ code 2) can tell bad input apart from a bug. Messages say what failed, where, wh
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class FxQuantError(Exception):
     """Base class of every error caused by the user's model, data, configuration or files."""
@@ -16,7 +18,11 @@ class ConfigError(FxQuantError, ValueError):
 
 
 class TraceError(FxQuantError):
-    """torch.fx could not trace the model (or a part of it)."""
+    """torch.fx could not trace the model (or a part of it); ``failure`` says where (a ``GraphBreak``)."""
+
+    def __init__(self, message: str, *, failure: Any = None) -> None:
+        super().__init__(message)
+        self.failure = failure
 
 
 class CalibrationError(FxQuantError):

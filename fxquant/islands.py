@@ -8,7 +8,9 @@ single Linear/Conv layers, so every layer torch.fx can reach is quantized.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import replace
+from typing import Any
 
 from torch import fx, nn
 
@@ -40,34 +42,69 @@ def _single_layer_graph(name: str, layer: nn.Module) -> fx.GraphModule:
     return fx.GraphModule(holder, graph, type(layer).__name__)
 
 
-def _prepare_child(parent: nn.Module, name: str, path: str, config: QuantConfig) -> None:
+def _prepare_child(parent: nn.Module, name: str, path: str, config: QuantConfig, found: list[GraphBreak]) -> None:
+    """Make ``parent.<name>`` an island if it traces, else descend; untraceable forwards are added to ``found``."""
     child = parent.get_submodule(name)
     if not _has_compute(child):
         return
     breaks: tuple[GraphBreak, ...] = ()
+    if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # containers have no forward: look inside
+        for item in dict(child.named_children()):
+            _prepare_child(child, item, f"{path}.{item}", config, found)
+        return
     if type(child) in COMPUTE_TYPES:
         gm, prefix = _single_layer_graph(name, child), path.removesuffix(name)
     else:
         try:
             gm, breaks = trace_partially(child, leaf_modules=config.leaf_modules)
-        except TraceError:
+        except TraceError as error:
+            if error.failure is not None:
+                found.append(replace(error.failure, path=path))
             for grandchild in dict(child.named_children()):
-                _prepare_child(child, grandchild, f"{path}.{grandchild}", config)
+                _prepare_child(child, grandchild, f"{path}.{grandchild}", config, found)
             return
         prefix = f"{path}."
     gm = prepare_graph(gm, config, prefix=prefix)
     gm.meta[STATE_KEY] = QuantState(config, "prepared", (), graph_breaks=breaks, prefix=prefix)
-    prepare_islands(gm, breaks, config, prefix=prefix)
+    found += prepare_islands(gm, breaks, config, prefix=prefix)
     setattr(parent, name, gm)
 
 
 def prepare_islands(gm: fx.GraphModule, breaks: tuple[GraphBreak, ...], config: QuantConfig,
-                    prefix: str = "") -> None:
-    """Quantize inside every untraceable block of ``gm`` (in place), as far down as torch.fx can trace."""
+                    prefix: str = "") -> list[GraphBreak]:
+    """Quantize inside every untraceable block of ``gm`` (in place), as far down as torch.fx can trace.
+
+    Returns the further breaks met on the way down (blocks whose own forward does not trace), with full paths.
+    """
+    found: list[GraphBreak] = []
     for graph_break in breaks:
         block = gm.get_submodule(graph_break.path)
         for name in dict(block.named_children()):
-            _prepare_child(block, name, f"{prefix}{graph_break.path}.{name}", config)
+            _prepare_child(block, name, f"{prefix}{graph_break.path}.{name}", config, found)
+    return found
+
+
+WRAPPED = "model"  # the attribute under which an untraceable root is kept by ``wrap_untraceable_root``
+
+
+def wrap_untraceable_root(model: nn.Module, config: QuantConfig) -> tuple[fx.GraphModule, list[GraphBreak]]:
+    """A GraphModule that calls ``model`` as one float leaf, with INT8 islands prepared inside it.
+
+    Used when the root's own ``forward`` cannot be traced (a Hugging Face ``BertModel``'s mask preprocessing, say):
+    the forward runs as written, and every child that traces (down to single Linear layers) is quantized.
+    """
+    graph = fx.Graph()
+    parameters = inspect.signature(model.forward).parameters.values()
+    kwargs: dict[str, Any] = {p.name: graph.placeholder(p.name, default_value=p.default) for p in parameters
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    graph.output(graph.call_module(WRAPPED, (), kwargs))
+    holder = nn.Module()
+    holder.add_module(WRAPPED, model)
+    gm = fx.GraphModule(holder, graph, type(model).__name__)
+    found: list[GraphBreak] = []
+    for name in dict(model.named_children()):
+        _prepare_child(model, name, name, config, found)
+    return gm, found
 
 
 def prepared_islands(gm: nn.Module) -> dict[str, fx.GraphModule]:

@@ -42,6 +42,7 @@ class QuantState:
     observer_state: dict[str, torch.Tensor] = field(default_factory=dict)
     calibration_samples: int = 0
     graph_breaks: tuple[GraphBreak, ...] = ()
+    wrapped: bool = False  # the root forward could not be traced: the model runs as one leaf named "model"
     prefix: str = ""  # for an island graph inside an untraceable block: its path in the user's model, plus "."
 
 

@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from fxquant.errors import TraceError
 
-_TORCH_DIR = str(Path(torch.__file__).parent)
+_LIBRARY_DIRS = (str(Path(torch.__file__).parent), str(Path(__file__).parent))  # torch's and fxquant's own code
 log = logging.getLogger(__name__)
 
 
@@ -56,7 +56,7 @@ class GraphBreak:
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of the traceback that is not torch's own code: the line the user wrote."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
     return frames[-1] if frames else None
 
 
@@ -73,9 +73,8 @@ def _trace_error(failure: GraphBreak, model: nn.Module) -> TraceError:
     fix = (f"use QuantConfig(leaf_modules=[{path!r}]) to keep it as a float black box, or exclude it"
            if path else "make the forward traceable (no data-dependent Python control flow), or pass concrete_args "
            "to prepare()")
-    error = TraceError(f"torch.fx cannot trace {where} at {failure.location}: {failure.reason}. Fix: {fix}.")
-    error.failure = failure  # type: ignore[attr-defined]
-    return error
+    return TraceError(f"torch.fx cannot trace {where} at {failure.location}: {failure.reason}. Fix: {fix}.",
+                      failure=failure)
 
 
 def _make_tracer(tracer_class: type[fx.Tracer] | None, leaf_modules: Sequence[str]) -> fx.Tracer:
@@ -130,9 +129,9 @@ def trace_partially(model: nn.Module, *, leaf_modules: Sequence[str] = (), concr
             return trace(model, leaf_modules=leaves, concrete_args=concrete_args, tracer_class=tracer_class), \
                 tuple(breaks)
         except TraceError as error:
-            failure: GraphBreak = error.failure  # type: ignore[attr-defined]
+            failure = error.failure
             can_isolate = tracer_class is None or issubclass(tracer_class, QuantTracer)
-            if not failure.path or failure.path in leaves or not can_isolate:
+            if failure is None or not failure.path or failure.path in leaves or not can_isolate:
                 raise
             log.warning("fxquant: keeping %s float: torch.fx cannot trace it (%s at %s)", failure.path,
                         failure.reason, failure.location)

@@ -44,9 +44,18 @@ def test_untraceable_model_names_submodule_line_and_fix() -> None:
     assert "\n" not in message
 
 
-def test_untraceable_root_forward_is_a_trace_error_even_with_partial_tracing() -> None:
+def test_untraceable_root_forward_names_the_line() -> None:
     with pytest.raises(TraceError, match=r"the model's forward at .*test_bad_input.py:\d+: `if x.sum\(\) > 0:"):
-        fxquant.prepare(Gate().eval(), (torch.randn(2, 4),))
+        fxquant.prepare(Gate().eval(), (torch.randn(2, 4),), fxquant.QuantConfig(partial_tracing=False))
+    # with partial tracing (the default) the forward runs as written and the layers inside it are quantized
+    model = Gate().eval()
+    prepared = fxquant.prepare(model, (torch.randn(2, 4),))
+    report = fxquant.coverage(prepared)
+    assert [(r.path, r.quantized) for r in report.layers] == [("fc", True)], str(report)
+    assert "forward of the model itself" in report.graph_breaks[0]
+    data = [torch.rand(2, 4) for _ in range(3)]
+    fxquant.calibrate(prepared, data, progress=False)
+    torch.testing.assert_close(fxquant.convert(prepared)(data[0]), model(data[0]), atol=0.05, rtol=0.05)
 
 
 def test_leaf_module_from_the_message_makes_it_work() -> None:

@@ -81,7 +81,7 @@ def _materialize(model: ModelOrFactory) -> nn.Module:
     built = model()
     if not isinstance(built, nn.Module):
         raise ArtifactError(f"the factory {model!r} returned {type(built).__name__}, not an nn.Module")
-    return built
+    return built.eval()  # a model we built ourselves; a module passed in is the caller's (prepare checks its mode)
 
 
 def load(path: str | Path, model: ModelOrFactory) -> fx.GraphModule:
@@ -94,7 +94,7 @@ def load(path: str | Path, model: ModelOrFactory) -> fx.GraphModule:
     """
     directory = Path(path)
     manifest = read_manifest(directory)
-    return rebuild(directory, manifest, _materialize(model).eval())
+    return rebuild(directory, manifest, _materialize(model))
 
 
 def rebuild(directory: Path, manifest: Manifest, model: nn.Module,

@@ -62,6 +62,10 @@ class OnednnWeight:
     spec: ConvSpec | None = None
     kernel: tuple[int, ...] = ()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
+        # The packed tensor is opaque (no storage to copy) and never modified after packing, so copies share it.
+        return self
+
 
 def _schema_is_verified(op: Any) -> bool:
     names = {argument.name for argument in op.default._schema.arguments}

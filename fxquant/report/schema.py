@@ -79,12 +79,12 @@ class Report:
             raise ArtifactError(f"{source}: unsupported report schema_version {version!r}; this fxquant reads "
                                 f"version {SCHEMA_VERSION}. Regenerate the report with this fxquant version.")
         try:
-            return cls._parse(data, source)
+            return cls._parse(data)
         except ArtifactError as exc:
             raise ArtifactError(f"{source}: {exc}") from None
 
     @classmethod
-    def _parse(cls, data: Mapping[str, Any], where: str) -> Report:
+    def _parse(cls, data: Mapping[str, Any]) -> Report:
         def part(key: str) -> Mapping[str, Any]:
             value = section(data, key, "report")
             assert value is not None

@@ -5,6 +5,7 @@ The tests put this directory on ``PYTHONPATH`` (subprocesses) or ``sys.path`` (i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import torch
@@ -45,7 +46,7 @@ def interrupted_batches() -> Iterator[torch.Tensor]:
 def unseeded_digits_cnn() -> torch.nn.Module:
     """Fresh random weights on every call, whatever torch's seed: a factory no run can be rebuilt from."""
     model = DigitsCNN().eval()
-    generator = torch.Generator().manual_seed(int.from_bytes(__import__("os").urandom(4), "little"))
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     with torch.no_grad():
         model.fc2.weight.copy_(torch.randn(model.fc2.weight.shape, generator=generator))
     return model

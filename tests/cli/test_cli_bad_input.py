@@ -6,6 +6,7 @@ start-up per case); ``test_real_process_reports_one_line`` checks the console sc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -122,7 +123,7 @@ def test_pickled_payload_in_a_tensor_file_is_refused(run: Path, tmp_path: Path) 
     marker = tmp_path / "code-ran"
     observers = next(run.glob("observers-*.pt"))
     torch.save({"observer_0.min_val": _Payload(marker)}, observers)
-    digest = __import__("hashlib").sha256(observers.read_bytes()).hexdigest()
+    digest = hashlib.sha256(observers.read_bytes()).hexdigest()
     _edit_manifest(run, lambda m: m["files"]["observers"].update(sha256=digest), resign=True)
     line = _fails_cleanly(run, "convert", str(run))
     assert "refused to load" in line and not marker.exists()

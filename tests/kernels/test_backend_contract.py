@@ -6,6 +6,7 @@ check the configuration fxquant actually ships, not the kernels' worst case.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -33,7 +34,7 @@ from kernel_contract_cases import (
 )
 
 from fxquant.kernels.base import Backend, ConvSpec
-from fxquant.kernels.registry import get_backend
+from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import QParams, affine_qparams, dequantize
 
 BACKENDS = backends_under_test()
@@ -185,3 +186,21 @@ def test_conv_output_feeds_relu_add_and_max_pool(name: str, dim: int) -> None:
     want = _after_conv(reference_backend(), layer, spec, out_qp)
     for op, g, w in zip(("relu", "add", "max_pool"), got, want, strict=True):
         assert steps(g, w, out_qp) <= 1, f"{name}: {op} after conv{dim}d is {steps(g, w, out_qp)} LSB off"
+
+
+@pytest.mark.parametrize("name", [n for n in ("onednn", "reference") if n in available_backends()])
+def test_a_conv_linear_add_run_emits_no_warning(name: str) -> None:
+    """Neither plain-int8 backend touches deprecated torch APIs, so nothing warns (not even once)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend = get_backend(name)
+        spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
+        layer = conv_layer(ConvCase(spec, 1, 4, 4, (3, 3), (6, 6), True, True, True), (0, 255), 0)
+        out_qp = output_qparams(float_conv(layer, spec))
+        packed = backend.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+        y = backend.conv(backend.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=True)
+        y = backend.add(y, y, out_qp, out_qp, out_qp, relu=False).flatten(1)
+        dense = make_layer((1, 144), (10, 144), qrange=(0, 255), per_channel=True, bias=True, seed=0)
+        packed = backend.prepack_linear(dense.q_w, dense.w_qp, dense.bias)
+        backend.dequantize(backend.linear(y, packed, out_qp, out_qp, relu=False), out_qp)
+    assert not caught, [str(w.message) for w in caught]
