@@ -14,6 +14,7 @@ import os
 import sys
 import traceback
 from collections.abc import Sequence
+from typing import NoReturn
 
 from fxquant.cli import commands, results, stages
 from fxquant.errors import FxQuantError
@@ -26,6 +27,13 @@ _FLAGS = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line too (status 2), like every other bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _flags_parser(default: object) -> argparse.ArgumentParser:
     """The global flags; subcommands get them with a suppressed default so they do not reset a value given first."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -35,7 +43,7 @@ def _flags_parser(default: object) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxquant", parents=[_flags_parser(False)],
+    parser = _Parser(prog="fxquant", parents=[_flags_parser(False)],
                                      description="Post-training INT8 quantization on CPU.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _flags_parser(argparse.SUPPRESS)

@@ -173,3 +173,12 @@ def test_real_process_reports_one_line(run: Path) -> None:
     assert snapshot(run) == before
     debug = run_cli("--debug", "calibrate", str(run), "--data", "no_such_pkg:data")
     assert debug.returncode == 2 and "Traceback" in debug.stderr
+
+
+def test_usage_errors_are_one_line_too(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxquant.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibrate", "--batches", "0"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0

@@ -116,11 +116,16 @@ def steps(a: torch.Tensor, b: torch.Tensor, qp: QParams) -> int:
     return int((torch.round(a.double() / scale) - torch.round(b.double() / scale)).abs().max())
 
 
+def run_conv_quantized(backend: Backend, layer: Layer, spec: ConvSpec, out_qp: QParams, *,
+                       relu: bool) -> torch.Tensor:
+    """Prepack and convolve on ``backend``; the output stays in the backend's activation representation."""
+    packed = backend.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+    return backend.conv(backend.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=relu)
+
+
 def run_conv(backend: Backend, layer: Layer, spec: ConvSpec, out_qp: QParams, *, relu: bool) -> torch.Tensor:
     """Prepack, convolve and dequantize on ``backend``."""
-    packed = backend.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
-    out = backend.conv(backend.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=relu)
-    return backend.dequantize(out, out_qp)
+    return backend.dequantize(run_conv_quantized(backend, layer, spec, out_qp, relu=relu), out_qp)
 
 
 def run_linear(backend: Backend, layer: Layer, out_qp: QParams, *, relu: bool) -> torch.Tensor:
@@ -180,3 +185,15 @@ def linear_shapes(draw: st.DrawFn) -> tuple[tuple[int, ...], int, int]:
 
 
 CONTRACT = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def run_conv_add_linear(backend: Backend) -> torch.Tensor:
+    """A small conv -> add -> flatten -> linear network on ``backend``, dequantized (what a CNN head does)."""
+    spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
+    layer = conv_layer(ConvCase(spec, 1, 4, 4, (3, 3), (6, 6), True, True, True), (0, 255), 0)
+    out_qp = output_qparams(float_conv(layer, spec))
+    y = run_conv_quantized(backend, layer, spec, out_qp, relu=True)
+    y = backend.add(y, y, out_qp, out_qp, out_qp, relu=False).flatten(1)
+    dense = make_layer((1, 144), (10, 144), qrange=(0, 255), per_channel=True, bias=True, seed=0)
+    packed = backend.prepack_linear(dense.q_w, dense.w_qp, dense.bias)
+    return backend.dequantize(backend.linear(y, packed, out_qp, out_qp, relu=False), out_qp)
