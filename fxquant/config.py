@@ -86,6 +86,9 @@ class QuantConfig:
     keep_first_float: bool = False
     keep_last_float: bool = False
     partial_tracing: bool = True
+    smoothquant_alpha: float | None = None
+    equalize: bool = False
+    bias_correction: bool = False
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude", "leaf_modules"):
@@ -96,6 +99,9 @@ class QuantConfig:
         _check_choice("backend", self.backend, BACKENDS, "QuantConfig")
         _check_choice("weight", self.weight, WEIGHT_SCHEMES, "QuantConfig")
         _check_activation(self.activation, "QuantConfig")
+        alpha = self.smoothquant_alpha
+        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
+            raise ConfigError(f"QuantConfig: smoothquant_alpha={alpha!r} must be None (off) or a number in [0, 1]")
         if not isinstance(self.overrides, Mapping):
             raise ConfigError(f"QuantConfig.overrides must map module paths to settings, got {self.overrides!r}")
         for path, settings in self.overrides.items():

@@ -146,3 +146,19 @@ def test_export_writes_torchscript_or_says_which_backend_cannot(tmp_path: Path) 
         with pytest.raises(ArtifactError, match="'onednn' cannot be exported to TorchScript"):
             fxquant.export(_quantized("onednn"), tmp_path / "o.pt")
         assert not (tmp_path / "o.pt").exists()
+
+
+def test_models_with_int8_islands_round_trip(tmp_path: Path) -> None:
+    """Observers nested inside untraceable blocks (partial tracing) are saved and restored too."""
+    from fxquant.models import create_model, example_inputs
+
+    model = create_model("control_flow")
+    x = example_inputs("control_flow", 4)
+    prepared = fxquant.prepare(model, x)
+    fxquant.calibrate(prepared, [x], progress=False)
+    with torch.no_grad():  # the data never takes the block's other branch: feed it directly
+        prepared.gated.negative(torch.relu(prepared.stem(x[0])))
+    qmodel = fxquant.convert(prepared)
+    assert any("." in key.rpartition(".")[0] for key in qmodel.meta["fxquant_state"].observer_state)
+    fxquant.save(qmodel, tmp_path / "art")
+    assert torch.equal(fxquant.load(tmp_path / "art", model)(*x), qmodel(*x))
