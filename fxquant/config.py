@@ -100,7 +100,8 @@ class QuantConfig:
         _check_choice("weight", self.weight, WEIGHT_SCHEMES, "QuantConfig")
         _check_activation(self.activation, "QuantConfig")
         alpha = self.smoothquant_alpha
-        if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1):
+        is_number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+        if alpha is not None and not (is_number and 0 <= alpha <= 1):
             raise ConfigError(f"QuantConfig: smoothquant_alpha={alpha!r} must be None (off) or a number in [0, 1]")
         if not isinstance(self.overrides, Mapping):
             raise ConfigError(f"QuantConfig.overrides must map module paths to settings, got {self.overrides!r}")
