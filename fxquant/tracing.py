@@ -15,7 +15,9 @@ from torch import fx, nn
 
 from fxquant.errors import TraceError
 
-_LIBRARY_DIRS = (str(Path(torch.__file__).parent), str(Path(__file__).parent))  # torch's and fxquant's own code
+_TORCH_DIR = str(Path(torch.__file__).parent)
+_FXQUANT_DIR = str(Path(__file__).parent)
+_ZOO_DIR = str(Path(__file__).parent / "models")  # the bundled models are user code like any other
 log = logging.getLogger(__name__)
 
 
@@ -56,7 +58,8 @@ class GraphBreak:
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of the traceback that is not torch's own code: the line the user wrote."""
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_LIBRARY_DIRS)]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(_TORCH_DIR)
+              and (f.filename.startswith(_ZOO_DIR) or not f.filename.startswith(_FXQUANT_DIR))]
     return frames[-1] if frames else None
 
 

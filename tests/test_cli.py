@@ -49,3 +49,10 @@ def test_demo_quantizes_the_bundled_model_and_prints_the_report() -> None:
         assert row in out, out
     fp32, int8 = (float(v.rstrip("%")) for v in out.split("test accuracy")[1].split()[:2])
     assert int8 >= fp32 - 1.0, out
+
+
+def test_coverage_command_lists_layers_and_breaks() -> None:
+    result = run("coverage", "--model", "fxquant.models:control_flow_net", "--example-inputs", "2x3x32x32")
+    assert result.returncode == 0, result.stderr
+    assert "4/4 Linear/Conv layers INT8" in result.stdout
+    assert "graph break: inside untraceable block 'gated'" in result.stdout and "control_flow.py" in result.stdout

@@ -13,14 +13,23 @@ from fxquant.cli.specs import build_model, parse_example_inputs
 from fxquant.errors import InputError
 
 
+def _model_source(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help=f"show the {what} of the run's latest stage")
+    parser.add_argument("--model", metavar="PKG.MODULE:FACTORY", help=f"or: prepare this model and show its {what}")
+    parser.add_argument("--weights", metavar="FILE", help="state dict to load into the model")
+    parser.add_argument("--example-inputs", metavar="SPEC", help="e.g. 1x3x224x224,1x10")
+    parser.add_argument("--config", metavar="FILE", help="QuantConfig as .json/.yaml/.toml")
+
+
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     graph = sub.add_parser("graph", parents=[common], help="print a run's (or a model's prepared) FX graph as a table")
-    graph.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help="show the graph of the run's latest stage")
-    graph.add_argument("--model", metavar="PKG.MODULE:FACTORY", help="or: prepare this model and show its graph")
-    graph.add_argument("--weights", metavar="FILE", help="state dict to load into the model")
-    graph.add_argument("--example-inputs", metavar="SPEC", help="e.g. 1x3x224x224,1x10")
-    graph.add_argument("--config", metavar="FILE", help="QuantConfig as .json/.yaml/.toml")
+    _model_source(graph, "graph")
     graph.set_defaults(handler=_graph)
+
+    coverage = sub.add_parser("coverage", parents=[common],
+                              help="every Linear/Conv: INT8 or not, why not, backend; graph breaks")
+    _model_source(coverage, "coverage")
+    coverage.set_defaults(handler=_coverage)
 
     inspect = sub.add_parser("inspect", parents=[common], help="what each stage of a run produced, versions, config")
     inspect.add_argument("run_dir", metavar="RUN_DIR")
@@ -62,6 +71,16 @@ def _graph(args: argparse.Namespace) -> int:
     rows = [{"op": n.op, "name": n.name, "target": str(n.target), "role": node_role(n, modules)}
             for n in gm.graph.nodes]
     emit(args, format_graph(gm), {"nodes": rows})
+    return 0
+
+
+def _coverage(args: argparse.Namespace) -> int:
+    from fxquant.coverage import coverage
+
+    report = coverage(_graph_model(args))
+    data = {"layers": report.rows(), "quantize_nodes": report.quantize_nodes,
+            "dequantize_nodes": report.dequantize_nodes, "graph_breaks": list(report.graph_breaks)}
+    emit(args, str(report), data)
     return 0
 
 
