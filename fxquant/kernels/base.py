@@ -51,6 +51,7 @@ class Backend(ABC):
     """
 
     name: ClassVar[str] = ""
+    fallback: ClassVar[str | None] = None  # a backend with the same activation representation, for missing kernels
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Backend:
         return self  # backends are stateless shared instances; copying a model must not copy them

@@ -117,6 +117,7 @@ class OnednnBackend(PlainInt8Backend):
     """x86 oneDNN kernels (VNNI, AMX) on plain int8 tensors; element-wise ops run in float32 for speed."""
 
     elementwise_dtype = torch.float32
+    fallback = "reference"  # same plain-uint8 activations: a layer oneDNN cannot run (conv3d) needs no conversion
 
     @classmethod
     def is_available(cls) -> bool:

@@ -6,12 +6,15 @@ A value is int8 from the first quantized op to the last: ReLU, pooling and resha
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from torch import fx, nn
 
 from fxquant.config import LayerSettings, QuantConfig
+from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.kernels.registry import get_backend
 from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import Fused, add_relu, compute_module
 from fxquant.nn.quantized import (
@@ -33,6 +36,7 @@ from fxquant.patterns import OpKind, classify, is_mul, join_dim, join_inputs, te
 from fxquant.qparams import QParams, quantize
 
 _DROPPED = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Identity)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -131,15 +135,26 @@ def _lower_compute(low: _Lowering, node: fx.Node) -> None:
     w_qp = weight_qparams(node.meta[LAYER_SETTINGS], inner)
     relu = isinstance(module, Fused) and module.min_val == 0.0
     parts = (quantize(inner.weight.detach(), w_qp), w_qp, inner.bias, (in_qp, out_qp))
-    if isinstance(inner, nn.Linear):
-        qmodule: nn.Module = QuantizedLinear(*parts, relu=relu, backend=low.backend)
-    else:
-        spec = ConvSpec(len(inner.kernel_size), tuple(inner.stride), tuple(inner.padding),  # type: ignore[arg-type]
-                        tuple(inner.dilation), inner.groups, inner.transposed, tuple(inner.output_padding))
-        table = QUANTIZED_CONV_TRANSPOSE if spec.transposed else QUANTIZED_CONV
-        qmodule = table[spec.dim](spec, *parts, relu=relu, backend=low.backend)
+    try:
+        qmodule = _quantized_layer(inner, parts, relu, low.backend)
+    except BackendUnavailableError as error:
+        if low.backend.fallback is None:
+            raise
+        # same activation representation, so the layer can run on the fallback with no conversion around it
+        log.warning("fxquant: %s runs on %r: %s", path, low.backend.fallback, error)
+        qmodule = _quantized_layer(inner, parts, relu, get_backend(low.backend.fallback))
     replace_submodule(low.gm, path, qmodule)
     low.qparams[node] = out_qp
+
+
+def _quantized_layer(inner: nn.Module, parts: tuple, relu: bool, backend: Backend) -> nn.Module:
+    if isinstance(inner, nn.Linear):
+        return QuantizedLinear(*parts, relu=relu, backend=backend)
+    assert isinstance(inner, nn.modules.conv._ConvNd)
+    spec = ConvSpec(len(inner.kernel_size), tuple(inner.stride), tuple(inner.padding),  # type: ignore[arg-type]
+                    tuple(inner.dilation), inner.groups, inner.transposed, tuple(inner.output_padding))
+    table = QUANTIZED_CONV_TRANSPOSE if spec.transposed else QUANTIZED_CONV
+    return table[spec.dim](spec, *parts, relu=relu, backend=backend)
 
 
 def _lower_binary(low: _Lowering, node: fx.Node) -> None:

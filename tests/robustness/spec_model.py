@@ -102,7 +102,6 @@ _POOL_FUNCTIONS: dict[tuple[str, int], Callable[..., torch.Tensor]] = {
     ("max", 1): F.max_pool1d, ("max", 2): F.max_pool2d, ("avg", 1): F.avg_pool1d, ("avg", 2): F.avg_pool2d,
     ("adaptive", 1): F.adaptive_avg_pool1d, ("adaptive", 2): F.adaptive_avg_pool2d,
 }
-_CONV_FUNCTIONS = {1: F.conv1d, 2: F.conv2d}
 
 
 def _batchnorm(channels: int, rank: int, seed: int) -> nn.Module:
@@ -149,6 +148,7 @@ class SpecModel(nn.Module):
         self.spec = spec
         self.layers = nn.ModuleDict()
         shapes = spec.shapes()
+        self.ranks = tuple(len(shapes[op.src[0]]) for op in spec.ops)  # torch.fx sees x.dim() as a Proxy
         for index, op in enumerate(spec.ops):
             layer = build_layer(op, shapes[op.src[0]])
             if layer is not None:
@@ -159,12 +159,12 @@ class SpecModel(nn.Module):
         values = [x]
         for index, op in enumerate(self.spec.ops):
             layer = self.layers[f"op{index}"] if f"op{index}" in self.layers else None
-            values.append(apply(op, layer, [values[i] for i in op.src]))
+            values.append(apply(op, layer, [values[i] for i in op.src], self.ranks[index]))
         return values[-1]
 
 
-def apply(op: Op, layer: nn.Module | None, xs: list[torch.Tensor]) -> torch.Tensor:
-    """Run one op; ``layer`` is what :func:`build_layer` made for it."""
+def apply(op: Op, layer: nn.Module | None, xs: list[torch.Tensor], rank: int) -> torch.Tensor:
+    """Run one op; ``layer`` is what :func:`build_layer` made for it, ``rank`` that of ``xs[0]`` without batch."""
     x = xs[0]
     if op.kind in ("conv", "linear", "bn") and op.form == "functional":
         return _functional(op, layer, x)
@@ -174,7 +174,7 @@ def apply(op: Op, layer: nn.Module | None, xs: list[torch.Tensor]) -> torch.Tens
         return x.relu() if op.form == "method" and op.args[0] == "relu" else _ACT_FUNCTIONS[op.args[0]](x)
     if op.kind == "pool":
         name, kernel, stride, padding = op.args
-        fn = _POOL_FUNCTIONS[name, x.dim() - 2]
+        fn = _POOL_FUNCTIONS[name, rank - 1]
         return fn(x, kernel) if name == "adaptive" else fn(x, kernel, stride, padding)
     if op.kind in ("add", "mul"):
         fn = {("add", "operator"): operator.add, ("add", "torch"): torch.add,
@@ -199,7 +199,7 @@ def _functional(op: Op, layer: nn.Module | None, x: torch.Tensor) -> torch.Tenso
     if op.kind == "bn":
         return F.batch_norm(x, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, 0.0,
                             layer.eps)
-    conv = _CONV_FUNCTIONS[x.dim() - 2]
+    conv = F.conv1d if isinstance(layer, nn.Conv1d) else F.conv2d
     return conv(x, layer.weight, layer.bias, layer.stride, layer.padding, layer.dilation, layer.groups)
 
 

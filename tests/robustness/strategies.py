@@ -73,13 +73,13 @@ def linear_ops(draw: st.DrawFn, src: int, shape: Shape, *, out: int | None = Non
     return Op("linear", (src,), (features, draw(st.booleans())), _form(draw))
 
 
-def compute_ops(src: int, shape: Shape, **options: object) -> st.SearchStrategy[Op]:
+def compute_ops(src: int, shape: Shape, *, keep_size: bool = False, out: int | None = None
+                ) -> st.SearchStrategy[Op]:
+    """A Linear (on the last dim) or, for (C, L) and (C, H, W) values, a Conv1d/Conv2d."""
     if len(shape) == 1:
-        return linear_ops(src, shape, out=options.get("out"))  # type: ignore[arg-type]
-    choices = [conv_ops(src, shape, **options)]  # type: ignore[arg-type]
-    if not options.get("keep_size") and options.get("out") is None:
-        choices.append(linear_ops(src, shape))
-    return st.one_of(*choices)
+        return linear_ops(src, shape, out=out)
+    convs = conv_ops(src, shape, keep_size=keep_size, out=out)
+    return convs if keep_size or out is not None else st.one_of(convs, linear_ops(src, shape))
 
 
 @st.composite
@@ -101,16 +101,14 @@ def pool_ops(draw: st.DrawFn, src: int, shape: Shape) -> Op:
 
 
 @st.composite
-def reshape_ops(draw: st.DrawFn, src: int, shape: Shape) -> Op | None:
-    """(F,) -> (c, F/c), (C, L) -> (C, h, L/h) or (C, H, W) -> (C, H*W); None when nothing factors."""
+def reshape_ops(draw: st.DrawFn, src: int, shape: Shape) -> Op:
+    """(F,) -> (c, F/c), (C, L) -> (C, h, L/h) or (C, H, W) -> (C, H*W)."""
     if len(shape) == 3:
         target: Shape = (shape[0], shape[1] * shape[2])
     else:
         size = shape[-1]
         factor = draw(st.sampled_from(_divisors(size)))
         target = (factor, size // factor) if len(shape) == 1 else (shape[0], factor, size // factor)
-        if len(target) == 3 and min(target[1:]) < 1:
-            return None
     return Op("reshape", (src,), (target,), draw(st.sampled_from(["method", "view", "function"])))
 
 
@@ -125,8 +123,9 @@ def block(draw: st.DrawFn, src: int, shape: Shape, first: int) -> list[Op]:
         join = draw(st.sampled_from(["add", "add", "mul"]))
         args = (draw(st.booleans()),) if join == "add" else ()
         return [*ops, Op(join, (src, first + len(ops) - 1), args, draw(st.sampled_from(["operator", "torch"])))]
-    if kind == "branch" and len(shape) > 1:
-        return [draw(conv_ops(src, shape, keep_size=True)), Op("cat", (src, first), (), "torch")]
+    if kind == "branch":
+        layer = draw(conv_ops(src, shape, keep_size=True) if len(shape) > 1 else linear_ops(src, shape))
+        return [layer, Op("cat", (src, first), (), "torch")]
     if kind == "bn" and len(shape) > 1:
         return [Op("bn", (src,), (draw(st.integers(0, 2**16)),), _form(draw))]
     if kind == "act":
@@ -137,8 +136,7 @@ def block(draw: st.DrawFn, src: int, shape: Shape, first: int) -> list[Op]:
         form = draw(st.sampled_from(["module", "function", "method", "view", "reshape"]))
         return [Op("flatten", (src,), (), form)]
     if kind == "reshape":
-        op = draw(reshape_ops(src, shape))
-        return [op] if op is not None else []
+        return [draw(reshape_ops(src, shape))]
     return [draw(compute_ops(src, shape))]
 
 
