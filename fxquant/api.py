@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxquant.auto import convert_auto
 from fxquant.calibration import calibrate, observers_of
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError, InputError, TraceError
@@ -94,10 +95,19 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
     return gm
 
 
+def _lower(prepared: fx.GraphModule, config: QuantConfig, backend: str) -> fx.GraphModule:
+    kernel = get_backend(backend)
+    gm = lower_to_int8(prepared, config, kernel)
+    lower_islands(gm, kernel)
+    return gm
+
+
 def convert(prepared: fx.GraphModule, *, backend: str | None = None) -> fx.GraphModule:
     """Replace observed Linear/Conv/add nodes with INT8 modules running on ``backend`` (default: the config's).
 
-    Raises ``CalibrationError`` listing the observers that saw no data. ``prepared`` is left unchanged. Example::
+    ``backend="auto"`` measures the available kernels on this CPU on each layer's real shapes (see
+    :mod:`fxquant.auto`); ``fxquant.coverage`` shows the backend each layer got. Raises ``CalibrationError``
+    listing the observers that saw no data. ``prepared`` is left unchanged. Example::
 
         qmodel = fxquant.convert(prepared, backend="fbgemm")
     """
@@ -108,12 +118,15 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None) -> fx.Graph
     if empty:
         raise CalibrationError(f"{len(empty)} observer(s) saw no data: {', '.join(empty)}. Run "
                                "fxquant.calibrate(prepared, data) with data that reaches them before convert().")
-    kernel = get_backend(backend or state.config.backend)
-    gm = lower_to_int8(copy.deepcopy(prepared), state.config, kernel)
-    lower_islands(gm, kernel)
+    name = backend or state.config.backend
+    if name == "auto":
+        example = tuple(spec.make() for spec in state.example_inputs)
+        gm, _ = convert_auto(prepared, lambda g, b: _lower(g, state.config, b), example)
+    else:
+        gm = _lower(copy.deepcopy(prepared), state.config, name)
     statistics = {f"{name}.{key}": value.detach().clone()  # nested island observers too (fxquant.save needs all)
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
-    gm.meta[STATE_KEY] = replace(state, stage="converted", backend=kernel.name, observer_state=statistics)
+    gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics)
     return gm
 
 

@@ -58,3 +58,21 @@ def assert_sqnr(reference: torch.Tensor, actual: torch.Tensor, floor_db: float, 
     measured = sqnr_db(reference, actual)
     assert measured >= floor_db, f"{what}: SQNR {measured:.2f} dB is below the floor of {floor_db} dB"
     return measured
+
+
+def calibrated(model: nn.Module, shape: tuple[int, ...], config: object = None, batches: int = 4) -> fx.GraphModule:
+    """A prepared and calibrated copy of ``model`` on ``batches`` random batches of ``shape``."""
+    from fxquant.api import prepare
+    from fxquant.calibration import calibrate
+
+    data = [torch.randn(*shape) for _ in range(batches)]
+    prepared = prepare(model, (data[0],), config)  # type: ignore[arg-type]
+    calibrate(prepared, data, progress=False)
+    return prepared
+
+
+def quantized_dtype_backends() -> list[str]:
+    """The available backends that run on torch's quantized dtypes (fbgemm, qnnpack)."""
+    from fxquant.kernels.registry import available_backends
+
+    return [b for b in ("fbgemm", "qnnpack") if b in available_backends()]

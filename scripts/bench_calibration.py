@@ -118,8 +118,8 @@ def time_workload(name: str, batch_size: int, args: argparse.Namespace) -> dict[
     batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 5)]
     fns = {label: cycling(build(label, model, batches[0]), batches) for label in labels()}
     with _quiet_torch_deprecations():
-        return measure_latency(fns, warmup=1 if args.quick else 2, min_runs=3 if args.quick else 7, max_runs=40,
-                               time_budget_s=20 if args.quick else 120, threads=args.threads)
+        return measure_latency(fns, warmup=1, min_runs=3 if args.quick else 5, max_runs=40,
+                               time_budget_s=20 if args.quick else 100, threads=args.threads)
 
 
 def _status_mb(field: str) -> float:
@@ -145,7 +145,7 @@ def _set_observing(module: nn.Module, on: bool) -> None:
 
 def probe_memory(name: str, label: str, batch_size: int) -> dict[str, float]:
     """Run in a subprocess: peak RSS, its growth once observers record, and the observers' state size."""
-    batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 4)]
+    batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 3)]
     module = build(label, create_model(name), batches[0])
     gc.collect()
     with torch.inference_mode(), _quiet_torch_deprecations():

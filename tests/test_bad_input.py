@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import calibrated
 from torch import nn
 
 import fxquant
 from fxquant.errors import CalibrationError, InputError, TraceError
 from fxquant.models import create_model
+from fxquant.testing import calibrated
 
 
 class Gate(nn.Module):

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import QUANTIZED_DTYPE_BACKENDS
 
 import fxquant
 from fxquant.models import create_model
 from fxquant.models.digits import accuracy, digits_loader, train_digits_cnn
-from fxquant.testing import assert_sqnr, simulate
+from fxquant.testing import assert_sqnr, quantized_dtype_backends, simulate
 
 # A MobileNetV2-style stack shallow enough not to be chaotic with random weights (see mobilenetv2_style).
 SHALLOW_MOBILENET = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 2, 1))
@@ -22,7 +21,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", QUANTIZED_DTYPE_BACKENDS)
+@pytest.mark.parametrize("backend", quantized_dtype_backends())
 @pytest.mark.parametrize("name", list(CASES))
 def test_int8_output_within_25_db_of_fp32(name: str, backend: str) -> None:
     factory, shape = CASES[name]
@@ -43,7 +42,7 @@ def digits_model() -> torch.nn.Module:
     return train_digits_cnn()
 
 
-@pytest.mark.parametrize("backend", QUANTIZED_DTYPE_BACKENDS)
+@pytest.mark.parametrize("backend", quantized_dtype_backends())
 def test_digits_int8_accuracy_within_one_point(backend: str, digits_model: torch.nn.Module) -> None:
     model = digits_model
     calib = digits_loader("calib", batch_size=64)

@@ -64,6 +64,15 @@ def _weight_tensor(weight: torch.Tensor, w_qp: QParams) -> torch.Tensor:
     )
 
 
+def _within(y: torch.Tensor, qp: QParams) -> torch.Tensor:
+    """The kernels saturate to [0, 255]; a narrower range (7-bit activations) needs one more clamp, or a value
+    beyond the calibrated range reaches a grouped conv's 16-bit pair sums (and differs from the simulation)."""
+    if (qp.qmin, qp.qmax) == UINT8_RANGE:
+        return y
+    scale, zp = qp.scalar()
+    return torch.clamp(y, (qp.qmin - zp) * scale, (qp.qmax - zp) * scale)
+
+
 class _QuantizedDtypeBackend(Backend):
     engine = ""
 
@@ -76,7 +85,7 @@ class _QuantizedDtypeBackend(Backend):
 
     def quantize(self, x: torch.Tensor, qp: QParams) -> torch.Tensor:
         scale, zp = qp.scalar()
-        return torch.quantize_per_tensor(x.float(), scale, zp, torch.quint8)
+        return _within(torch.quantize_per_tensor(x.float(), scale, zp, torch.quint8), qp)
 
     def dequantize(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
         return a.dequantize()
@@ -90,7 +99,7 @@ class _QuantizedDtypeBackend(Backend):
                relu: bool) -> torch.Tensor:
         scale, zp = out_qp.scalar()
         op = _q.linear_relu if relu else _q.linear
-        return op(a, packed.payload, scale, zp)
+        return _within(op(a, packed.payload, scale, zp), out_qp)
 
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
@@ -104,23 +113,23 @@ class _QuantizedDtypeBackend(Backend):
              relu: bool) -> torch.Tensor:
         dim, payload = packed.payload
         scale, zp = out_qp.scalar()
-        return _CONV_OPS[dim][2 if relu else 1](a, payload, scale, zp)
+        return _within(_CONV_OPS[dim][2 if relu else 1](a, payload, scale, zp), out_qp)
 
     def add(self, a: torch.Tensor, b: torch.Tensor, qa: QParams, qb: QParams, qout: QParams, *,
             relu: bool) -> torch.Tensor:
         scale, zp = qout.scalar()
-        return (_q.add_relu if relu else _q.add)(a, b, scale, zp)
+        return _within((_q.add_relu if relu else _q.add)(a, b, scale, zp), qout)
 
     def relu(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
         return torch.relu(a)
 
     def mul(self, a: torch.Tensor, b: torch.Tensor, qa: QParams, qb: QParams, qout: QParams) -> torch.Tensor:
         scale, zp = qout.scalar()
-        return _q.mul(a, b, scale, zp)
+        return _within(_q.mul(a, b, scale, zp), qout)
 
     def cat(self, values: list[torch.Tensor], qps: list[QParams], qout: QParams, dim: int) -> torch.Tensor:
         scale, zp = qout.scalar()
-        return _q.cat(values, dim, scale, zp)
+        return _within(_q.cat(values, dim, scale, zp), qout)
 
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
                                spec: ConvSpec) -> PackedWeight:
@@ -133,7 +142,7 @@ class _QuantizedDtypeBackend(Backend):
     def conv_transpose(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams) -> torch.Tensor:
         dim, payload = packed.payload
         scale, zp = out_qp.scalar()
-        return (_q.conv_transpose1d if dim == 1 else _q.conv_transpose2d)(a, payload, scale, zp)
+        return _within((_q.conv_transpose1d if dim == 1 else _q.conv_transpose2d)(a, payload, scale, zp), out_qp)
 
     def adaptive_avg_pool(self, a: torch.Tensor, qp: QParams, output_size: Any) -> torch.Tensor:
         fn = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}[a.dim()]

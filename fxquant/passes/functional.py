@@ -58,7 +58,9 @@ def _owner_path(gm: fx.GraphModule, node: fx.Node) -> str:
     weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
     owner = str(weight.target).rpartition(".")[0]  # type: ignore[union-attr]
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    return owner if owner and owner not in called else f"{owner.replace('.', '_')}_{node.name}".lstrip("_")
+    # a Linear/Conv subclass traced through keeps its path; any other owner may hold more than this parameter
+    is_layer = bool(owner) and isinstance(gm.get_submodule(owner), (nn.Linear, nn.modules.conv._ConvNd))
+    return owner if is_layer and owner not in called else f"{owner.replace('.', '_')}_{node.name}".lstrip("_")
 
 
 def functional_to_modules(gm: fx.GraphModule) -> fx.GraphModule:

@@ -100,3 +100,17 @@ def test_corrupt_checkpoint_raises_artifact_error(tmp_path: Path, damage: str) -
 def test_checkpoint_every_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="checkpoint_every"):
         fxquant.calibrate(prepared_tiny("minmax"), DATA, checkpoint=tmp_path / "c", checkpoint_every=0)
+
+
+def test_resume_skips_consumed_batches_without_transforming_them(tmp_path: Path) -> None:
+    path = tmp_path / "calib.ckpt"
+    fxquant.calibrate(prepared_tiny("minmax"), DATA[:4], checkpoint=path, progress=False)
+    transformed: list[int] = []
+
+    def record(batch: torch.Tensor) -> torch.Tensor:
+        transformed.append(len(transformed))
+        return batch
+
+    summary = fxquant.calibrate(prepared_tiny("minmax"), DATA, checkpoint=path, resume=True, transform=record,
+                                progress=False)
+    assert len(transformed) == len(DATA) - 4 and summary.batches == len(DATA) and summary.resumed_batches == 4

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import QUANTIZED_DTYPE_BACKENDS, calibrated
 from torch import nn
 
 import fxquant
 from fxquant.models import create_model
 from fxquant.nn import DeQuantize, Quantize, QuantizedAdd, QuantizedConv2d, QuantizedLinear
 from fxquant.observers import Observer
+from fxquant.testing import calibrated, quantized_dtype_backends
 
 
 def _count(gm: torch.fx.GraphModule, *types: type) -> int:
@@ -18,7 +18,7 @@ def _count(gm: torch.fx.GraphModule, *types: type) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_module" and isinstance(modules[n.target], types))
 
 
-@pytest.mark.parametrize("backend", QUANTIZED_DTYPE_BACKENDS)
+@pytest.mark.parametrize("backend", quantized_dtype_backends())
 def test_chain_has_one_quantize_and_one_dequantize(backend: str) -> None:
     model = create_model("conv_bn")  # conv-relu -> maxpool -> flatten -> linear: one int8 region
     converted = fxquant.convert(calibrated(model, (4, 3, 32, 32)), backend=backend)
