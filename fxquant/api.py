@@ -6,7 +6,7 @@ Each step is a short sequence of passes; the heavy lifting lives in :mod:`fxquan
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from typing import Any
 
@@ -16,11 +16,17 @@ from torch import fx, nn
 from fxquant.auto import convert_auto
 from fxquant.calibration import calibrate, observers_of
 from fxquant.config import QuantConfig
-from fxquant.errors import CalibrationError, InputError, TraceError
-from fxquant.islands import lower_islands, prepare_graph, prepare_islands, wrap_untraceable_root
+from fxquant.errors import CalibrationError, ConfigError, InputError, TraceError
+from fxquant.islands import lower_islands, prepare_graph, prepare_islands, prepared_islands, wrap_untraceable_root
 from fxquant.kernels.registry import get_backend
 from fxquant.observers import switch_method
-from fxquant.passes import lower_to_int8
+from fxquant.passes import (
+    StatisticsObserver,
+    correct_biases,
+    keep_layers_float,
+    lower_to_int8,
+    smooth_activations,
+)
 from fxquant.passes._graph import replace_submodule
 from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
 from fxquant.tracing import GraphBreak, trace, trace_partially
@@ -102,8 +108,32 @@ def _lower(prepared: fx.GraphModule, config: QuantConfig, backend: str) -> fx.Gr
     return gm
 
 
-def convert(prepared: fx.GraphModule, *, backend: str | None = None) -> fx.GraphModule:
+def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = ()) -> fx.GraphModule:
+    """A copy of calibrated ``prepared`` after the passes that use calibration statistics, still float.
+
+    In order: SmoothQuant (``smoothquant_alpha``), the layers matching the ``keep_float`` patterns kept float, bias
+    correction (``bias_correction``); their statistics nodes are removed. This is the float graph ``convert``
+    lowers, so ``fxquant.testing.simulate(apply_statistics(prepared))`` is the fake-quant twin of
+    ``convert(prepared)``, and its layers are the float references of the INT8 ones at the same paths.
+    """
+    if isinstance(keep_float, str):
+        raise ConfigError(f"keep_float must be a list of module path patterns, got the string {keep_float!r}")
+    gm = copy.deepcopy(prepared)
+    for graph in (gm, *prepared_islands(gm).values()):
+        state = quant_state(graph)
+        smooth_activations(graph, state.config)
+        keep_layers_float(graph, tuple(keep_float), prefix=state.prefix)
+        correct_biases(graph)
+    return gm
+
+
+def convert(prepared: fx.GraphModule, *, backend: str | None = None,
+            keep_float: Collection[str] = ()) -> fx.GraphModule:
     """Replace observed Linear/Conv/add nodes with INT8 modules running on ``backend`` (default: the config's).
+
+    ``keep_float`` (fnmatch patterns on module paths, like ``QuantConfig.exclude``) keeps those layers float without
+    calibrating again: the accuracy-budget search converts one calibrated model many ways with it. SmoothQuant and
+    bias correction are applied here (see :func:`apply_statistics`).
 
     ``backend="auto"`` measures the available kernels on this CPU on each layer's real shapes (see
     :mod:`fxquant.auto`); ``fxquant.coverage`` shows the backend each layer got. Raises ``CalibrationError``
@@ -119,11 +149,12 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None) -> fx.Graph
         raise CalibrationError(f"{len(empty)} observer(s) saw no data: {', '.join(empty)}. Run "
                                "fxquant.calibrate(prepared, data) with data that reaches them before convert().")
     name = backend or state.config.backend
+    final = apply_statistics(prepared, keep_float=keep_float)
     if name == "auto":
         example = tuple(spec.make() for spec in state.example_inputs)
-        gm, _ = convert_auto(prepared, lambda g, b: _lower(g, state.config, b), example)
+        gm, _ = convert_auto(final, lambda g, b: _lower(g, state.config, b), example)
     else:
-        gm = _lower(copy.deepcopy(prepared), state.config, name)
+        gm = _lower(final, state.config, name)
     statistics = {f"{name}.{key}": value.detach().clone()  # nested island observers too (fxquant.save needs all)
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics)
@@ -131,11 +162,29 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None) -> fx.Graph
 
 
 def quantize(model: nn.Module, example_inputs: Any, data: Iterable[Any], config: QuantConfig | None = None, *,
-             num_batches: int | None = None, progress: bool = True) -> fx.GraphModule:
+             num_batches: int | None = None, progress: bool = True,
+             eval_fn: Callable[[nn.Module], float] | None = None, max_accuracy_drop: float | None = None,
+             max_trials: int = 16) -> fx.GraphModule:
     """``prepare`` + ``calibrate`` + ``convert`` in one call. Example::
 
         qmodel = fxquant.quantize(model.eval(), (x,), loader, num_batches=32)
+
+    With ``eval_fn`` (model -> metric, higher is better) and ``max_accuracy_drop`` (in metric units) it keeps the
+    fewest layers float that bring the drop within the budget, in at most ``max_trials`` conversions, and returns
+    the best model found; ``qmodel.meta["fxquant_fallback"]`` holds every trial (see :mod:`fxquant.fallback`)::
+
+        qmodel = fxquant.quantize(model, (x,), loader, eval_fn=top1, max_accuracy_drop=0.005)
     """
+    if eval_fn is not None or max_accuracy_drop is not None:
+        from fxquant.fallback import quantize_within_budget  # lazy: the search is built on this module
+
+        if eval_fn is None or max_accuracy_drop is None:
+            raise ConfigError("the accuracy-budget fallback needs both eval_fn (model -> metric, higher is better) "
+                              "and max_accuracy_drop (in metric units)")
+
+        return quantize_within_budget(model, example_inputs, data, config, eval_fn=eval_fn,
+                                      max_accuracy_drop=max_accuracy_drop, max_trials=max_trials,
+                                      num_batches=num_batches, progress=progress)
     prepared = prepare(model, example_inputs, config)
     calibrate(prepared, data, num_batches=num_batches, progress=progress)
     return convert(prepared)
@@ -155,7 +204,8 @@ def recompute_qparams(prepared: fx.GraphModule, *, activation: str, **options: A
     """
     state = quant_state(prepared)
     for name, observer in observers_of(prepared).items():
-        replace_submodule(prepared, name, switch_method(observer, activation, **options))
+        if not isinstance(observer, StatisticsObserver):  # SmoothQuant/bias statistics are not ranges
+            replace_submodule(prepared, name, switch_method(observer, activation, **options))
     config = replace(state.config, activation=activation,
                      observer_options={**state.config.observer_options, **options})
     update_state(prepared, config=config)

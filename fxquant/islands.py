@@ -18,15 +18,27 @@ from fxquant.config import QuantConfig
 from fxquant.errors import TraceError
 from fxquant.kernels.base import Backend
 from fxquant.nn.fused import COMPUTE_TYPES
-from fxquant.passes import fold_batchnorm, functional_to_modules, fuse_activations, insert_observers, lower_to_int8
+from fxquant.passes import (
+    equalize_layers,
+    fold_batchnorm,
+    functional_to_modules,
+    fuse_activations,
+    insert_bias_observers,
+    insert_observers,
+    insert_smoothing_observers,
+    lower_to_int8,
+)
 from fxquant.passes._graph import replace_submodule
 from fxquant.state import STATE_KEY, QuantState, quant_state
 from fxquant.tracing import GraphBreak, trace_partially
 
 
 def prepare_graph(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> fx.GraphModule:
-    """The prepare passes on one traced graph: functional -> modules, fold BN, fuse, observers."""
-    return insert_observers(fuse_activations(fold_batchnorm(functional_to_modules(gm))), config, prefix)
+    """The prepare passes on one traced graph: functional -> modules, fold BN, fuse, cross-layer equalization,
+    observers, then the statistics observers of SmoothQuant and bias correction (each pass a no-op unless asked)."""
+    gm = equalize_layers(fuse_activations(fold_batchnorm(functional_to_modules(gm))), config, prefix)
+    gm = insert_observers(gm, config, prefix)
+    return insert_bias_observers(insert_smoothing_observers(gm, config, prefix), config, prefix)
 
 
 def _has_compute(module: nn.Module) -> bool:

@@ -2,7 +2,8 @@
 
 ``simulate(prepared, backend)`` is the float fake-quant model of a calibrated prepared graph: every observer becomes
 a quantize-dequantize with the qparams convert would use on ``backend``, every quantized Linear/Conv computes with
-its fake-quantized weight. A correct INT8 model matches it to within rounding of each quantized value.
+its fake-quantized weight, every average pool of an int8 value rounds its output to the input's grid (as the INT8
+kernels do). A correct INT8 model matches it to within rounding of each quantized value.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from fxquant.api import quant_state
 from fxquant.kernels.registry import get_backend
 from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import compute_module
-from fxquant.passes._graph import only_user, replace_submodule
+from fxquant.passes._graph import modules_of, only_user, replace_submodule
 from fxquant.passes.lower import observer_qparams, weight_qparams
+from fxquant.passes.value_ops import pool_options
+from fxquant.patterns import OpKind, classify, tensor_input
 from fxquant.qparams import QParams, fake_quantize
 
 
@@ -45,10 +48,61 @@ def simulate(prepared: fx.GraphModule, backend: str | None = None) -> fx.GraphMo
             layer = compute_module(gm.get_submodule(str(node.target)))
             assert layer is not None
             layer.weight.copy_(fake_quantize(layer.weight, weight_qparams(settings, layer)))
+    _average_pools_on_the_grid(gm, activation_qparams)
     for name, qp in activation_qparams.items():
         replace_submodule(gm, name, FakeQuantize(qp))
     gm.recompile()
     return gm
+
+
+class _Centered(nn.Module):
+    """Grid values -> ``q - zero_point`` as float64 integers, which an average pool sums exactly."""
+
+    def __init__(self, qp: QParams) -> None:
+        super().__init__()
+        self.qp = qp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x.double() / float(self.qp.scale))
+
+
+class _Requantized(nn.Module):
+    """A pooled mean of centered integers -> its grid value, rounded half to even as the INT8 kernels do."""
+
+    def __init__(self, qp: QParams) -> None:
+        super().__init__()
+        self.qp = qp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        zero_point = int(self.qp.zero_point)
+        q = torch.clamp(torch.round(x), self.qp.qmin - zero_point, self.qp.qmax - zero_point)
+        return (q * float(self.qp.scale)).float()
+
+
+def _average_pools_on_the_grid(gm: fx.GraphModule, activation_qparams: dict[str, QParams]) -> None:
+    """Follow int8 values from observers through ReLU, pools and reshapes (as ``lower_to_int8`` does) and run each
+    average pool of one on the integers: its INT8 output keeps the input's qparams, so the mean is rounded to that
+    grid. Pooling the float values instead rounds exact ties (a quarter of 2x2 means) by float error, one step off
+    the kernels, which is most of the signal where values span a few steps."""
+    modules = modules_of(gm)
+    qparams: dict[fx.Node, QParams] = {}
+    for node in list(gm.graph.nodes):
+        source, kind = tensor_input(node), classify(node, modules)
+        if node.op == "call_module" and str(node.target) in activation_qparams:
+            qparams[node] = activation_qparams[str(node.target)]
+        elif source in qparams and kind in (OpKind.VALUE, OpKind.STRUCTURAL):
+            qp = qparams[node] = qparams[source]
+            pool = pool_options(node, modules) if kind is OpKind.VALUE else None
+            if pool is not None and pool[0] != "max":
+                gm.add_submodule(f"centered_{node.name}", _Centered(qp))
+                gm.add_submodule(f"requantized_{node.name}", _Requantized(qp))
+                with gm.graph.inserting_before(node):
+                    centered = gm.graph.call_module(f"centered_{node.name}", (source,))
+                node.replace_input_with(source, centered)
+                with gm.graph.inserting_after(node):
+                    rounded = gm.graph.call_module(f"requantized_{node.name}", (node,))
+                node.replace_all_uses_with(rounded)
+                rounded.args = (node,)
 
 
 def assert_sqnr(reference: torch.Tensor, actual: torch.Tensor, floor_db: float, what: str = "output") -> float:

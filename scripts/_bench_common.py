@@ -2,23 +2,25 @@
 
 A *candidate* is one way to run a model: a label, a callable on the inputs, and the quantize/dequantize node counts of
 its graph. A *peer* is another INT8 toolchain measured next to fxquant; each is a :class:`Peer` subclass registered
-with :func:`register_peer`. A peer whose packages are missing is skipped with a note, so adding torchao PT2E or ONNX
-Runtime later is one subclass with ``requires = ("torchao",)`` / ``("onnxruntime",)`` and a ``build`` method; the
-tables gain its columns without other changes.
+with :func:`register_peer` in a ``_peers_*.py`` module (torch.ao FX per engine, torchao PT2E + Inductor, ONNX
+Runtime), loaded by :func:`load_peers`. A peer whose packages are missing is skipped with a note; the tables gain its
+columns without other changes. A :class:`Suite` collects one run (latency, Q/DQ counts, SQNR, what could not run) and
+renders the markdown tables of ``benchmark.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
+import importlib
 import importlib.util
 import math
 import os
 import platform
+import sys
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -26,9 +28,8 @@ from torch import fx, nn
 
 import fxquant
 from fxquant.cpu import cpu_model, isa_summary
-from fxquant.kernels.quantized_engine import quantized_engine
 from fxquant.models import create_model, example_inputs
-from fxquant.nn import DeQuantize, Quantize
+from fxquant.report.latency import LatencyStats, num_threads
 
 
 @dataclass(frozen=True)
@@ -46,31 +47,36 @@ class Candidate:
     label: str
     run: Callable[..., Any]
     qdq: QdqCount | None = None
+    note: str = ""  # how it was built, when a reader of the tables should know (e.g. a workaround)
 
 
 @dataclass(frozen=True)
 class Workload:
-    """A float model and the calibration batches every toolchain sees (the same tensors for all of them)."""
+    """A float model and the calibration batches every toolchain sees (the same tensors for all of them).
+
+    ``config`` holds extra ``fxquant.QuantConfig`` options the model needs (and that a user would be told to set).
+    """
 
     name: str
     model: nn.Module
     example: tuple[torch.Tensor, ...]
     calibration: tuple[tuple[torch.Tensor, ...], ...]
+    config: dict[str, Any] = field(default_factory=dict)
 
 
-def make_workload(name: str, *, batches: int, batch_size: int) -> Workload:
+def make_workload(name: str, *, batches: int, batch_size: int, config: dict[str, Any] | None = None) -> Workload:
     """The zoo model ``name`` plus ``batches`` seeded random batches from its example-input distribution.
 
     Seed 0 is left for the timed inputs, so calibration never sees the exact tensors that are measured.
     """
     calibration = tuple(example_inputs(name, batch_size, seed=seed) for seed in range(1, batches + 1))
-    return Workload(name, create_model(name), example_inputs(name, 1), calibration)
+    return Workload(name, create_model(name), example_inputs(name, 1), calibration, dict(config or {}))
 
 
 def count_fxquant_qdq(gm: fx.GraphModule) -> QdqCount:
-    modules = dict(gm.named_modules())
-    kinds = [type(modules.get(str(node.target))) for node in gm.graph.nodes if node.op == "call_module"]
-    return QdqCount(kinds.count(Quantize), kinds.count(DeQuantize))
+    """Quantize/dequantize nodes of the converted model, including those inside INT8 islands of untraceable blocks."""
+    report = fxquant.coverage(gm)
+    return QdqCount(report.quantize_nodes, report.dequantize_nodes)
 
 
 def count_torch_ao_qdq(gm: fx.GraphModule) -> QdqCount:
@@ -86,7 +92,8 @@ def fp32_candidate(workload: Workload) -> Candidate:
 
 def fxquant_calibrated(workload: Workload, backend: str) -> fx.GraphModule:
     """``prepare`` + ``calibrate``; qparams are backend-independent, so one calibration serves every backend."""
-    prepared = fxquant.prepare(workload.model, workload.example, fxquant.QuantConfig(backend=backend))
+    prepared = fxquant.prepare(workload.model, workload.example,
+                               fxquant.QuantConfig(backend=backend, **workload.config))
     fxquant.calibrate(prepared, list(workload.calibration), progress=False)
     return prepared
 
@@ -110,13 +117,13 @@ class Peer(ABC):
     label: ClassVar[str] = ""
     requires: ClassVar[tuple[str, ...]] = ()  # importable modules the peer needs
 
-    def unavailable_reason(self, engine: str) -> str | None:
+    def unavailable_reason(self) -> str | None:
         """Why the peer cannot run here (a missing package, an unsupported engine), or None when it can."""
         missing = [module for module in self.requires if not _importable(module)]
         return f"{', '.join(missing)} not installed" if missing else None
 
     @abstractmethod
-    def build(self, workload: Workload, engine: str) -> Candidate: ...
+    def build(self, workload: Workload) -> Candidate: ...
 
 
 def _importable(module: str) -> bool:
@@ -137,6 +144,18 @@ def register_peer(cls: P) -> P:
     return cls
 
 
+FP32 = "fp32"
+Where = tuple[str, int, int]  # model, batch, threads
+PEER_MODULES = ("_peers_torch_ao", "_peers_pt2e", "_peers_ort")
+
+
+def load_peers() -> dict[str, Peer]:
+    """Import the ``_peers_*`` modules (each registers its peers; none imports an optional package until ``build``)."""
+    for module in PEER_MODULES:
+        importlib.import_module(module)
+    return PEERS
+
+
 @contextlib.contextmanager
 def _quiet_torch_deprecations() -> Iterator[None]:
     """torch.ao's FX quantization warns on every call that it is deprecated; the benchmark knows."""
@@ -147,39 +166,26 @@ def _quiet_torch_deprecations() -> Iterator[None]:
         yield
 
 
-@register_peer
-class TorchAoFx(Peer):
-    """``torch.ao.quantization.quantize_fx`` with the engine's default qconfig mapping.
+def top_ops(candidate: Candidate, inputs: tuple[torch.Tensor, ...], *, threads: int, runs: int = 3,
+            rows: int = 10) -> list[tuple[str, float, int]]:
+    """The ``rows`` ops with the most self CPU time (ms per call, calls per call) under ``torch.profiler``.
 
-    The global quantized engine is set while preparing, converting and on every call, and restored each time, so
-    the fxquant rows measured interleaved with it run under the process default as a user's code would.
+    Each call runs inside a ``record_function`` scope whose *self* time is everything between the ops: Python,
+    module dispatch, allocation. It is listed as ``(between ops)``.
     """
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    name = "torch_ao_fx"
-    label = "torch.ao FX"
-    requires = ("torch.ao.quantization.quantize_fx",)
+    with num_threads(threads), torch.inference_mode():
+        candidate.run(*inputs)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(runs):
+                with record_function(BETWEEN_OPS):
+                    candidate.run(*inputs)
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
+    return [(e.key, e.self_cpu_time_total / 1e3 / runs, e.count // runs) for e in events]
 
-    def unavailable_reason(self, engine: str) -> str | None:
-        if engine not in torch.backends.quantized.supported_engines:
-            return f"engine {engine!r} not in this torch build"
-        return super().unavailable_reason(engine)
 
-    def build(self, workload: Workload, engine: str) -> Candidate:
-        from torch.ao.quantization import get_default_qconfig_mapping
-        from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
-
-        with _quiet_torch_deprecations(), quantized_engine(engine), torch.no_grad():
-            prepared = prepare_fx(copy.deepcopy(workload.model), get_default_qconfig_mapping(engine),
-                                  workload.example)
-            for batch in workload.calibration:
-                prepared(*batch)
-            qmodel = convert_fx(prepared)
-
-        def run(*inputs: torch.Tensor) -> Any:
-            with quantized_engine(engine):
-                return qmodel(*inputs)
-
-        return Candidate(self.label, run, count_torch_ao_qdq(qmodel))
+BETWEEN_OPS = "(between ops)"
 
 
 def environment_lines() -> list[str]:
@@ -217,3 +223,145 @@ def load_average() -> str:
     except OSError:
         return "load average: unknown"
     return f"load average {one:.1f} / {five:.1f} / {fifteen:.1f} (1/5/15 min) on {os.cpu_count()} logical CPUs"
+
+
+@dataclass
+class Suite:
+    """What one run collects, keyed by model and candidate key (``fp32``, ``fxquant:<backend>``, a peer name)."""
+
+    rows: list[tuple[Where, dict[str, LatencyStats]]] = field(default_factory=list)
+    qdq: dict[tuple[str, str], QdqCount] = field(default_factory=dict)
+    sqnr: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)  # at the largest batch timed
+    missing: dict[tuple[str, str], str] = field(default_factory=dict)  # could not be built: 'n/a' cells
+    slow: dict[tuple[str, int, int, str], float | None] = field(default_factory=dict)  # ms of one call, or not run
+    profiles: list[tuple[str, int, int, str, list[tuple[str, float, int]]]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    start_load: str = field(default_factory=load_average)
+    peak_load: float = 0.0  # highest 1-minute load average seen after a configuration
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+            print(f"note: {text}", file=sys.stderr, flush=True)
+
+    def unavailable(self, model: str, key: str, reason: str) -> None:
+        self.missing[(model, key)] = reason
+        self.note(reason)
+
+    def record_sqnr(self, model: str, key: str, batch: int, value: float) -> None:
+        if batch >= self.sqnr.get((model, key), (0, 0.0))[0]:
+            self.sqnr[(model, key)] = (batch, value)
+
+    def record(self, where: Where, stats: dict[str, LatencyStats]) -> None:
+        self.rows.append((where, stats))
+        print(f"{where[0]} batch={where[1]} threads={where[2]}: "
+              + "; ".join(f"{label(k)} {_ms(s)}" for k, s in stats.items()), flush=True)
+
+
+
+
+def label(key: str) -> str:
+    if key == FP32:
+        return "FP32"
+    if key.startswith("fxquant:"):
+        return f"fxquant[{key.split(':', 1)[1]}]"
+    return PEERS[key].label
+
+
+def _ms(stats: LatencyStats) -> str:
+    return f"{stats.median:.{3 if stats.median < 1 else 2 if stats.median < 100 else 0}f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows]
+
+
+def _cell(suite: Suite, where: Where, key: str, stats: dict[str, LatencyStats]) -> str:
+    if key in stats:
+        return _ms(stats[key])
+    if (*where, key) in suite.slow:
+        ms = suite.slow[(*where, key)]
+        return f"~{ms:.0f}" if ms else "skipped"
+    return "n/a" if (where[0], key) in suite.missing else "-"
+
+
+def _keys(suite: Suite, prefix: bool) -> list[str]:
+    seen = dict.fromkeys(k for _, stats in suite.rows for k in stats)
+    seen.update(dict.fromkeys(k for (_, k) in suite.missing))
+    return [k for k in seen if k != FP32 and k.startswith("fxquant:") == prefix]
+
+
+def _ratio(stats: dict[str, LatencyStats], ours: str | None, theirs: str) -> str:
+    return f" ({stats[ours].median / stats[theirs].median:.2f})" if ours and theirs in stats else ""
+
+
+def latency_table(suite: Suite, models: Sequence[str]) -> list[str]:
+    """Issue 5: every candidate's median per configuration; a peer's cell adds (fastest fxquant / peer)."""
+    fxq, peers = _keys(suite, True), [k for k in _keys(suite, False) if k in PEERS]
+    rows = []
+    for where, stats in (r for r in suite.rows if r[0][0] in models):
+        best = min((k for k in fxq if k in stats), key=lambda k: stats[k].median, default=None)
+        best_peer = min((k for k in peers if k in stats), key=lambda k: stats[k].median, default=None)
+        rows.append([*map(str, where), _ms(stats[FP32]), *(_cell(suite, where, k, stats) for k in fxq),
+                     *(_cell(suite, where, k, stats) + _ratio(stats, best, k) for k in peers),
+                     f"{label(best)} {_ms(stats[best])}" if best else "-",
+                     f"{label(best_peer)} {_ms(stats[best_peer])}" if best_peer else "-",
+                     f"{stats[best].median / stats[best_peer].median:.2f}" if best and best_peer else "-"])
+    return _table(["model", "batch", "threads", "FP32 ms", *(f"{label(k)} ms" for k in fxq),
+                   *(f"{label(k)} ms (fxq/peer)" for k in peers), "fastest fxquant", "fastest peer",
+                   "fastest fxquant / fastest peer"], rows)
+
+
+def zoo_tables(suite: Suite, engines: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """Issue 4: fxquant / torch.ao FX latency per shared engine, Q/DQ counts and SQNR per model; and the misses."""
+    rows, misses = [], []
+    for where, stats in suite.rows:
+        cells = []
+        for engine in engines:
+            fxq, peer = f"fxquant:{engine}", f"torch.ao:{engine}"
+            if fxq in stats and peer in stats:
+                ratio = stats[fxq].median / stats[peer].median
+                cells.append(f"{ratio:.2f} ({_ms(stats[fxq])} / {_ms(stats[peer])})" + (" MISS" if ratio > 1 else ""))
+                if ratio > 1:
+                    misses.append(f"latency: {where[0]} batch {where[1]} threads {where[2]} {engine}: {ratio:.2f}")
+            else:
+                cells.append(_cell(suite, where, peer if fxq in stats else fxq, stats))
+        rows.append([*map(str, where), *cells])
+    graph = []
+    for model in dict.fromkeys(where[0] for where, _ in suite.rows):
+        for engine in engines:
+            ours, theirs = suite.qdq.get((model, f"fxquant:{engine}")), suite.qdq.get((model, f"torch.ao:{engine}"))
+            if ours is None:
+                continue
+            total = ours.quantize + ours.dequantize
+            their_total = theirs.quantize + theirs.dequantize if theirs else None
+            if their_total is not None and total > their_total:
+                misses.append(f"Q/DQ nodes: {model} {engine}: {total} > {their_total}")
+            graph.append([model, engine, f"{ours.quantize}+{ours.dequantize}",
+                          f"{theirs.quantize}+{theirs.dequantize}" if theirs else "n/a",
+                          *(_sqnr(suite, model, k) for k in (f"fxquant:{engine}", f"torch.ao:{engine}"))])
+    return (_table(["model", "batch", "threads", *(f"{e}: fxquant/torch.ao (ms / ms)" for e in engines)], rows),
+            _table(["model", "engine", "fxquant Q+DQ nodes", "torch.ao Q+DQ nodes", "fxquant SQNR dB",
+                    "torch.ao SQNR dB"], graph), misses)
+
+
+def _sqnr(suite: Suite, model: str, key: str) -> str:
+    if (model, key) not in suite.sqnr:
+        return "n/a" if (model, key) in suite.missing else "-"
+    batch, value = suite.sqnr[(model, key)]
+    return f"{value:.1f} (b{batch})"
+
+
+def sqnr_table(suite: Suite) -> list[str]:
+    keys = [*_keys(suite, True), *_keys(suite, False)]
+    models = dict.fromkeys(where[0] for where, _ in suite.rows)
+    return _table(["model", *(label(k) for k in keys)], [[m, *(_sqnr(suite, m, k) for k in keys)] for m in models])
+
+
+def profile_lines(suite: Suite) -> list[str]:
+    lines = []
+    for model, batch, threads, who, ops in suite.profiles:
+        lines += ["", f"{model} batch {batch} threads {threads}, {who}: self CPU ms per call", "",
+                  *_table(["op", "self ms", "calls"], [[op, f"{ms:.3f}", str(n)] for op, ms, n in ops])]
+    return lines

@@ -1,13 +1,18 @@
-"""Latency of fxquant INT8 against FP32 and peer INT8 toolchains, with a markdown table for issue notes.
+"""Latency of fxquant INT8 against FP32 and the INT8 toolchains a user would pick instead, with markdown tables.
 
-Every row of one configuration (model, batch, threads, engine) is timed interleaved in one
+Every candidate of one configuration (model, batch, threads) is timed interleaved in one
 :func:`fxquant.report.latency.measure_latency` run, so the ratios survive a shared, noisy machine. All INT8 models
-are calibrated on the same seeded random batches. Ratios: ``FP32/fxquant`` is fxquant's speedup over float;
-``<peer>/fxquant`` >= 1.0 means fxquant is no slower than the peer.
+are calibrated on the same seeded random batches. Candidates: FP32 eager; fxquant on each backend (and ``auto``);
+torch.ao FX on each quantized engine; torchao PT2E + Inductor; ONNX Runtime static INT8 (peers skipped with a note
+when their packages are missing). See ``docs/benchmarks.md`` for the columns and the measured tables.
 
-    python scripts/benchmark.py                     # the default run: ~4-5 minutes on 2 cores
-    python scripts/benchmark.py --quick             # smoke run: tiny time budget
-    python scripts/benchmark.py --models mlp --batches 1 --threads 1 --engine all --backends all
+Default plan: issue 5's models (mlp, resnet18, mobilenetv2 at batch 1 and 32, bert_style at 8; 1 and 2 threads)
+against every peer, and the rest of the zoo (batch 1 and 8, 1 thread) against torch.ao FX on the engines fxquant
+shares (issue 4). ``--batches``/``--threads``/``--backends``/``--peers`` override the plan for every model.
+
+    python scripts/benchmark.py --profile > /tmp/bench.txt     # the full run: ~25 minutes on 2 cores
+    python scripts/benchmark.py --quick                         # smoke run: < 3 minutes
+    python scripts/benchmark.py --models mlp --batches 1 --threads 1 --backends all --peers torch.ao:x86
 """
 
 from __future__ import annotations
@@ -16,146 +21,180 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from _bench_common import (
+    FP32,
     PEERS,
     Candidate,
-    Workload,
+    Suite,
+    Where,
     busy_note,
     environment_lines,
-    fp32_candidate,
     fxquant_calibrated,
     fxquant_candidate,
+    label,
+    latency_table,
     load_1min,
-    load_average,
+    load_peers,
     make_workload,
+    profile_lines,
     sqnr_db,
+    sqnr_table,
+    top_ops,
+    zoo_tables,
 )
+from _bench_common import fp32_candidate as fp32
 
 from fxquant.errors import FxQuantError
 from fxquant.kernels.registry import available_backends
-from fxquant.models import UNTRACEABLE, ZOO, example_inputs
+from fxquant.models import example_inputs
 from fxquant.report.latency import LatencyStats, measure_latency, num_threads
 
-ENGINES = ("fbgemm", "qnnpack")
+load_peers()
+ISSUE5_MODELS = ("mlp", "resnet18", "mobilenetv2", "bert_style")
+ZOO_MODELS = (*ISSUE5_MODELS, "efficientnet", "audio1d", "conv3d", "unet", "control_flow")
+PAIRED = ("fbgemm", "qnnpack", "onednn")  # fxquant backends with a torch.ao engine of the same name
+ISSUE5_BATCHES = {"bert_style": (8,)}
+# What a user is told to set: control_flow's negative branch never runs on post-ReLU inputs, so it has no ranges.
+MODEL_CONFIG = {"control_flow": {"exclude": ["gated.negative"]}}
 HEAVY_CALL_S = 0.25  # a config whose slowest call takes longer gets fewer warmup/minimum rounds
-FP32 = "fp32"
+@dataclass(frozen=True)
+class Plan:
+    """What to run for one model."""
 
-
-@dataclass
-class Measurement:
-    """Latency of every candidate of one configuration, keyed like ``Suite.candidates``."""
-
-    model: str
-    batch: int
-    threads: int
-    engine: str
-    stats: dict[str, LatencyStats]
-
-
-@dataclass
-class Suite:
-    """What one run collects: measurements, graph facts per (model, engine), and notes on what was skipped."""
-
-    measurements: list[Measurement] = field(default_factory=list)
-    graph_rows: list[list[str]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    start_load: str = field(default_factory=load_average)
-    peak_load: float = 0.0  # highest 1-minute load average seen after a configuration
-
-    def graph_rows_keys(self) -> list[list[str]]:
-        return [row[:3] for row in self.graph_rows]
-
-    def note(self, text: str) -> None:
-        if text in self.notes:
-            return
-        self.notes.append(text)
-        print(f"note: {text}", file=sys.stderr, flush=True)
+    batches: tuple[int, ...]
+    threads: tuple[int, ...]
+    backends: tuple[str, ...]  # fxquant backend names, "auto" included
+    peers: tuple[str, ...]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["mlp", "resnet18", "mobilenetv2"],
-                        choices=sorted(set(ZOO) - UNTRACEABLE), metavar="MODEL", help="zoo model names")
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 32], help="batch sizes to time")
-    parser.add_argument("--threads", nargs="+", type=int, default=[1, 2], help="intra-op thread counts")
-    parser.add_argument("--engine", default="fbgemm", choices=[*ENGINES, "all"],
-                        help="quantized engine of the peers (and fxquant's default backend); 'all' loops over both")
+    parser.add_argument("--models", nargs="+", default=None, choices=ZOO_MODELS, metavar="MODEL",
+                        help=f"zoo models (default: {' '.join(ZOO_MODELS)}; with --quick: mlp control_flow)")
+    parser.add_argument("--batches", nargs="+", type=int, default=None, help="batch sizes (default: per model)")
+    parser.add_argument("--threads", nargs="+", type=int, default=None, help="intra-op thread counts")
     parser.add_argument("--backends", nargs="+", default=None, metavar="BACKEND",
-                        help="fxquant backends to time (default: the engine; 'all': every available backend)")
-    parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS), metavar="PEER",
-                        help=f"peer toolchains to time (default: all of {', '.join(PEERS)})")
+                        help="fxquant backends ('all': every available one plus auto)")
+    parser.add_argument("--peers", nargs="*", default=None, choices=list(PEERS), metavar="PEER",
+                        help=f"peers to time (default: per model; known: {', '.join(PEERS)})")
     parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds of timed rounds per configuration (default 15, or 1 with --quick)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: tiny budget, two timed rounds")
+                        help="seconds of timed rounds per configuration (default 10, or 0.5 with --quick)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny budget, batch 1, 1 thread")
+    parser.add_argument("--max-call-s", type=float, default=2.0,
+                        help="time once, not in rounds, a candidate whose call takes longer than this and than FP32")
+    parser.add_argument("--profile", action="store_true",
+                        help="torch.profiler top-10 ops of the fastest fxquant and peer where a peer wins (1 thread)")
     parser.add_argument("--calib-batches", type=int, default=4, help="random calibration batches (default 4)")
     parser.add_argument("--calib-batch-size", type=int, default=8, help="samples per calibration batch")
     args = parser.parse_args(argv)
-    if args.time_budget is None:
-        args.time_budget = 1.0 if args.quick else 15.0
-    args.engines = [e for e in ENGINES if e in torch.backends.quantized.supported_engines] \
-        if args.engine == "all" else [args.engine]
+    args.time_budget = args.time_budget or (0.5 if args.quick else 10.0)
+    args.models = args.models or (["mlp", "control_flow"] if args.quick else list(ZOO_MODELS))
     known = available_backends()
     if args.backends == ["all"]:
-        args.backends = list(known)
-    unknown = sorted({b for engine in args.engines for b in backends_for(args, engine)} - set(known))
+        args.backends = [*known, "auto"]
+    unknown = sorted(set(args.backends or ()) - {*known, "auto"})
     if unknown:
-        parser.error(f"unavailable fxquant backend(s) {', '.join(unknown)}; available: {', '.join(known)}")
+        parser.error(f"unavailable fxquant backend(s) {', '.join(unknown)}; available: {', '.join(known)}, auto")
     return args
 
 
-def backends_for(args: argparse.Namespace, engine: str) -> list[str]:
-    return args.backends or [engine]
+def plan_for(name: str, args: argparse.Namespace) -> Plan:
+    issue5 = name in ISSUE5_MODELS
+    batches = (1,) if args.quick else ISSUE5_BATCHES.get(name, (1, 32)) if issue5 else (1, 8)
+    threads = (1,) if args.quick or not issue5 else (1, 2)
+    backends = (*available_backends(), "auto") if issue5 else PAIRED
+    peers = tuple(PEERS) if issue5 else tuple(f"torch.ao:{e}" for e in PAIRED)
+    return Plan(tuple(args.batches or batches), tuple(args.threads or threads), tuple(args.backends or backends),
+                tuple(peers if args.peers is None else args.peers))
 
 
-def build_candidates(workload: Workload, args: argparse.Namespace, suite: Suite) -> dict[str, dict[str, Candidate]]:
-    """engine -> key -> candidate: ``fp32``, ``fxquant:<backend>``, then one per available peer."""
-    wanted = sorted({b for engine in args.engines for b in backends_for(args, engine)})
-    fxq: dict[str, Candidate] = {}
-    prepared = fxquant_calibrated(workload, wanted[0])
-    for backend in wanted:
-        try:
-            fxq[backend] = fxquant_candidate(prepared, backend)
+def build_candidates(name: str, plan: Plan, args: argparse.Namespace, suite: Suite) -> dict[str, Candidate]:
+    """``fp32``, ``fxquant:<backend>`` for each backend, then one per peer; failures become notes and 'n/a' cells."""
+    workload = make_workload(name, batches=args.calib_batches, batch_size=args.calib_batch_size,
+                             config=MODEL_CONFIG.get(name))
+    if workload.config:
+        suite.note(f"{name}: fxquant.QuantConfig({', '.join(f'{k}={v!r}' for k, v in workload.config.items())})")
+    candidates = {FP32: fp32(workload)}
+    fixed = [b for b in plan.backends if b != "auto"]
+    prepared = fxquant_calibrated(workload, fixed[0]) if fixed else None
+    for backend in plan.backends:
+        try:  # auto is prepared with QuantConfig(backend="auto"), as a user would; qparams are backend-independent
+            source = fxquant_calibrated(workload, "auto") if backend == "auto" else prepared
+            candidates[f"fxquant:{backend}"] = fxquant_candidate(source, backend)
         except FxQuantError as exc:
-            suite.note(f"{workload.name}: fxquant[{backend}] skipped: {exc}")
-    by_engine = {}
-    for engine in args.engines:
-        candidates = {FP32: fp32_candidate(workload)}
-        candidates.update({f"fxquant:{b}": fxq[b] for b in backends_for(args, engine) if b in fxq})
-        for name in args.peers:
-            reason = PEERS[name].unavailable_reason(engine)
+            suite.unavailable(name, f"fxquant:{backend}", f"fxquant[{backend}] does not convert: {exc}")
+    for key in plan.peers:
+        peer, started = PEERS[key], time.perf_counter()
+        reason = peer.unavailable_reason()
+        if reason is None:
             try:
-                if reason is None:
-                    candidates[name] = PEERS[name].build(workload, engine)
+                candidates[key] = peer.build(workload)
             except Exception as exc:  # a peer failing on one model must not end the whole run
-                reason = f"failed on {workload.name}: {type(exc).__name__}: {exc}"
-            if reason is not None:
-                suite.note(f"{PEERS[name].label} ({engine}) skipped: {reason}")
-        by_engine[engine] = candidates
-    return by_engine
+                first = (str(exc).strip().splitlines() or [""])[0][:300]
+                reason = f"{peer.label} fails on {name}: {type(exc).__name__}: {first}"
+        if reason is not None:
+            suite.unavailable(name, key, reason)
+        elif candidates[key].note:
+            suite.note(f"{name}: {peer.label}: {candidates[key].note}")
+        print(f"{name}: built {peer.label} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    suite.qdq.update({(name, k): c.qdq for k, c in candidates.items() if c.qdq is not None})
+    return candidates
 
 
-def record_graphs(workload: Workload, engine: str, candidates: dict[str, Candidate], suite: Suite) -> None:
-    """Q/DQ node counts, plus SQNR against FP32 so a fast row is not fast by being wrong."""
-    inputs = example_inputs(workload.name, 8, seed=0)
-    with torch.inference_mode():
-        reference = candidates[FP32].run(*inputs)
-        for key, candidate in candidates.items():
-            # fxquant models do not depend on the engine: one row per model, not one per engine
-            row_engine = "-" if key.startswith("fxquant:") else engine
-            if candidate.qdq is None or [workload.name, row_engine, candidate.label] in suite.graph_rows_keys():
-                continue
-            sqnr = sqnr_db(reference, candidate.run(*inputs))
-            suite.graph_rows.append([workload.name, row_engine, candidate.label, str(candidate.qdq.quantize),
-                                     str(candidate.qdq.dequantize), f"{sqnr:.1f}"])
-
-
-def _call_once(candidate: Candidate, inputs: tuple[torch.Tensor, ...]) -> float:
+def _timed(candidate: Candidate, inputs: tuple[torch.Tensor, ...]) -> tuple[object, float]:
     start = time.perf_counter()
-    candidate.run(*inputs)
-    return time.perf_counter() - start
+    out = candidate.run(*inputs)
+    return out, time.perf_counter() - start
+
+
+def warm_up(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], where: Where, args: argparse.Namespace,
+            suite: Suite) -> tuple[dict[str, Candidate], dict[str, float]]:
+    """One untimed call each (Inductor compiles, ORT creates its session; SQNR from its output), then a sizing call.
+
+    A candidate slower than both ``--max-call-s`` and FP32 is not timed in rounds (qnnpack and the reference backend
+    on big convnets at batch 32 take 5-20 s a call): its sizing call is reported as approximate, and it is left out
+    at the other thread counts of the same model and batch. A first call over three times that limit is enough.
+    """
+    kept, calls = {}, {}
+    with num_threads(where[2]), torch.inference_mode():
+        reference, _ = _timed(candidates[FP32], inputs)
+        for key, candidate in candidates.items():
+            if any(k[:2] == where[:2] and k[3] == key for k in suite.slow):
+                suite.slow[(*where, key)] = None
+                continue
+            limit = max(args.max_call_s, calls.get(FP32, 0.0))
+            out, seconds = (reference, 0.0) if key == FP32 else _timed(candidate, inputs)
+            if key != FP32:
+                suite.record_sqnr(where[0], key, where[1], sqnr_db(reference, torch.as_tensor(out)))
+            if seconds <= 3 * limit:
+                seconds = _timed(candidate, inputs)[1]
+            if key != FP32 and seconds > limit:
+                suite.slow[(*where, key)] = seconds * 1e3
+                continue
+            kept[key], calls[key] = candidate, seconds
+    return kept, calls
+
+
+def measure(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], threads: int,
+            calls: dict[str, float], args: argparse.Namespace) -> dict[str, LatencyStats]:
+    """Interleaved runs sized by one untimed round: warmup, minimum rounds and budget follow the slowest model.
+
+    ``measure_latency`` keeps one order every round, and on sub-millisecond models whichever call comes right
+    after the FP32 model is ~25% slower (measured on the MLP at batch 1; its float weights flush the cache), which
+    would decide the peer ratio. Light configurations are therefore timed in two passes, in order and reversed,
+    and their medians averaged. ``measure_latency`` also stops at its budget before ``min_runs``: the budget is
+    raised to fit the minimum rounds of heavy models.
+    """
+    heavy = max(calls.values()) > HEAVY_CALL_S
+    min_runs = 2 if args.quick else 3 if heavy else 5
+    budget = max(args.time_budget, 1.2 * min_runs * sum(calls.values()))
+    fns = {key: (lambda c=c: c.run(*inputs)) for key, c in candidates.items()}
+    orders = [list(fns)] if heavy else [list(fns), list(fns)[::-1]]
+    return _merge([measure_latency({k: fns[k] for k in order}, threads=threads, warmup=0 if heavy or args.quick
+                                   else 3, min_runs=min_runs, time_budget_s=budget / len(orders)) for order in orders])
 
 
 def _merge(passes: list[dict[str, LatencyStats]]) -> dict[str, LatencyStats]:
@@ -167,95 +206,61 @@ def _merge(passes: list[dict[str, LatencyStats]]) -> dict[str, LatencyStats]:
     return {key: merged(key) for key in passes[0]}
 
 
-def measure(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], threads: int,
-            args: argparse.Namespace) -> dict[str, LatencyStats]:
-    """Interleaved runs; a first untimed round sizes warmup, minimum rounds and budget to the slowest model.
+def profile_if_beaten(candidates: dict[str, Candidate], stats: dict[str, LatencyStats],
+                      inputs: tuple[torch.Tensor, ...], where: tuple[str, int, int], suite: Suite) -> None:
+    """Top ops of the fastest fxquant backend and of the fastest torch-based peer, when some peer is faster.
 
-    ``measure_latency`` keeps one order every round, and on sub-millisecond models whichever call comes right
-    after the FP32 model is ~25% slower (measured on the MLP at batch 1; its float weights flush the cache), which
-    would decide the peer ratio. Light configurations are therefore timed in two passes, in order and reversed,
-    and their medians averaged. ``measure_latency``
-    also stops at its budget before ``min_runs``: the budget is raised to fit the minimum rounds of heavy models.
+    ONNX Runtime's kernels are invisible to torch.profiler, so when it wins the fastest torch-based peer is shown.
     """
-    with num_threads(threads), torch.inference_mode():
-        calls = [_call_once(c, inputs) for c in candidates.values()]
-    heavy = max(calls) > HEAVY_CALL_S
-    min_runs = 2 if args.quick else 3 if heavy else 5
-    budget = max(args.time_budget, 1.2 * min_runs * sum(calls))
-    fns = {key: (lambda c=c: c.run(*inputs)) for key, c in candidates.items()}
-    orders = [list(fns)] if heavy else [list(fns), list(fns)[::-1]]
-    return _merge([measure_latency({k: fns[k] for k in order}, threads=threads, warmup=1 if heavy or args.quick
-                                   else 3, min_runs=min_runs, time_budget_s=budget / len(orders)) for order in orders])
-
-
-def _ms(stats: LatencyStats) -> str:
-    digits = 3 if stats.median < 1 else 2 if stats.median < 100 else 0
-    return f"{stats.median:.{digits}f} ({stats.min:.{digits}f}-{stats.max:.{digits}f})"
-
-
-def summary_line(m: Measurement, candidates: dict[str, Candidate]) -> str:
-    """One progress line: every candidate's latency, then FP32/fxquant and peer/fxquant for the first backend."""
-    parts = [f"{candidates[k].label} {_ms(s)} ms" for k, s in m.stats.items()]
-    fxq = next((k for k in m.stats if k.startswith("fxquant:")), None)
-    if fxq is not None:
-        parts += [f"{candidates[k].label}/{candidates[fxq].label} {s.median / m.stats[fxq].median:.2f}"
-                  for k, s in m.stats.items() if not k.startswith("fxquant:")]
-    return f"{m.model} batch={m.batch} threads={m.threads} engine={m.engine}: " + "; ".join(parts)
+    fxq = [k for k in stats if k.startswith("fxquant:")]
+    peers = [k for k in stats if k != FP32 and k not in fxq]
+    if not fxq or not peers:
+        return
+    best_fxq = min(fxq, key=lambda k: stats[k].median)
+    if min(stats[k].median for k in peers) >= stats[best_fxq].median:
+        return
+    shown = [k for k in sorted(peers, key=lambda k: stats[k].median) if k != "ort"][:1]
+    for key in (best_fxq, *shown):
+        suite.profiles.append((*where, candidates[key].label, top_ops(candidates[key], inputs, threads=where[2])))
 
 
 def run(args: argparse.Namespace) -> Suite:
     suite = Suite()
     for name in args.models:
-        workload = make_workload(name, batches=args.calib_batches, batch_size=args.calib_batch_size)
-        for engine, candidates in build_candidates(workload, args, suite).items():
-            record_graphs(workload, engine, candidates, suite)
-            for batch in args.batches:
-                inputs = example_inputs(name, batch, seed=0)
-                for threads in args.threads:
-                    stats = measure(candidates, inputs, threads, args)
-                    suite.measurements.append(Measurement(name, batch, threads, engine, stats))
-                    print(summary_line(suite.measurements[-1], candidates), flush=True)
-                    suite.peak_load = max(suite.peak_load, load_1min())
+        plan = plan_for(name, args)
+        candidates = build_candidates(name, plan, args, suite)
+        for batch in plan.batches:
+            inputs = example_inputs(name, batch, seed=0)
+            for threads in plan.threads:
+                where = (name, batch, threads)
+                kept, calls = warm_up(candidates, inputs, where, args, suite)
+                stats = measure(kept, inputs, threads, calls, args)
+                suite.record(where, stats)
+                if args.profile and threads == 1:
+                    profile_if_beaten(kept, stats, inputs, where, suite)
+                suite.peak_load = max(suite.peak_load, load_1min())
     busy = busy_note(suite.peak_load)
     if busy is not None:
         suite.note(busy)
     return suite
 
 
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows]
-
-
-def latency_table(suite: Suite) -> list[str]:
-    """One row per (configuration, fxquant backend); each measured peer adds a latency and a ratio column."""
-    peers = [p for p in PEERS if any(p in m.stats for m in suite.measurements)]
-    header = ["model", "batch", "threads", "engine", "fxquant backend", "FP32 ms", "fxquant ms",
-              *(f"{PEERS[p].label} ms" for p in peers), "FP32/fxquant", *(f"{PEERS[p].label}/fxquant" for p in peers),
-              "runs"]
-    rows = []
-    for m in suite.measurements:
-        for key in (k for k in m.stats if k.startswith("fxquant:")):
-            fxq = m.stats[key].median
-            rows.append([m.model, str(m.batch), str(m.threads), m.engine, key.split(":", 1)[1], _ms(m.stats[FP32]),
-                         _ms(m.stats[key]), *(_ms(m.stats[p]) if p in m.stats else "-" for p in peers),
-                         f"{m.stats[FP32].median / fxq:.2f}",
-                         *(f"{m.stats[p].median / fxq:.2f}" if p in m.stats else "-" for p in peers),
-                         str(min(s.runs for s in m.stats.values()))])
-    return _table(header, rows)
-
-
 def markdown(suite: Suite, args: argparse.Namespace) -> str:
+    latency, pairs, misses = zoo_tables(suite, PAIRED)
+    slow = [f"{label(k)} on {m} batch {b} threads {t}: " + (f"one call took {ms / 1e3:.1f} s, timed once (~)" if ms
+            else "too slow at the other thread count, not run") for (m, b, t, k), ms in suite.slow.items()]
     lines = [*(f"- {line}" for line in environment_lines()), f"- at the start: {suite.start_load}",
              f"- time budget {args.time_budget:g} s per configuration{' (--quick)' if args.quick else ''}; "
              f"calibration: {args.calib_batches} random batches of {args.calib_batch_size}, same for every tool",
-             "- latency: median (min-max) ms per call; ratios of medians; `<peer>/fxquant` >= 1.00: fxquant no slower",
-             "", *latency_table(suite), "",
-             *_table(["model", "engine", "implementation", "quantize nodes", "dequantize nodes", "SQNR vs FP32 dB"],
-                     suite.graph_rows)]
-    if suite.notes:
-        lines += ["", *(f"- note: {note}" for note in suite.notes)]
-    return "\n".join(lines)
+             "- latency: median ms per call; `(fxq/peer)`: fastest fxquant backend / that peer, < 1.00: fxquant faster",
+             "", "### Issue 5: backends and peers", "", *latency_table(suite, ISSUE5_MODELS),
+             "", "### Issue 4: zoo, fxquant vs torch.ao FX on the same engine (ratio < 1.00: fxquant faster)", "",
+             *latency, "", *pairs, "", "### SQNR vs FP32 (dB, at the largest batch timed)", "", *sqnr_table(suite),
+             "", "### Misses of the issue 4 targets", "", *(f"- {m}" for m in misses or ["none"])]
+    if suite.profiles:
+        lines += ["", "### Where the time goes (torch.profiler, 1 thread, rows where a peer is faster)",
+                  *profile_lines(suite)]
+    return "\n".join([*lines, "", *(f"- note: {n}" for n in [*slow, *suite.notes])])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -52,6 +52,7 @@ class Backend(ABC):
 
     name: ClassVar[str] = ""
     fallback: ClassVar[str | None] = None  # a backend with the same activation representation, for missing kernels
+    int32_accumulator: ClassVar[bool] = True  # sums int8 products in int32: layers that could overflow are refused
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Backend:
         return self  # backends are stateless shared instances; copying a model must not copy them

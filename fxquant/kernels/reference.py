@@ -106,6 +106,8 @@ def finish(acc: torch.Tensor, w: IntegerWeight, in_qp: QParams, out_qp: QParams,
 class ReferenceBackend(PlainInt8Backend):
     """Slow, exact and dependency-free: the backend every other one is tested against (within one int8 step)."""
 
+    int32_accumulator = False  # long rows switch to float64 (see the module doc), so no layer can overflow
+
     def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> PackedWeight:
         return PackedWeight(self.name, _integer_weight(weight, w_qp, bias, None))
 

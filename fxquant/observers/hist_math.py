@@ -49,8 +49,9 @@ def grid_for(lo: float, hi: float, bins: int, min_width: float = 0.0) -> tuple[f
     """
     magnitude = max(abs(lo), abs(hi))
     exponent = max(math.frexp(magnitude)[1] - 1 - _FLOOR_BITS, _MIN_EXPONENT) if magnitude > 0 else _MIN_EXPONENT
-    if hi > lo:
-        exponent = max(exponent, math.ceil(math.log2((hi - lo) / (bins - 1))))
+    step = (hi - lo) / (bins - 1)
+    if step > 0:  # 0 also when a denormal span underflows: the minimum exponent covers it
+        exponent = max(exponent, math.ceil(math.log2(step)))
     if min_width > 0:
         exponent = max(exponent, math.frexp(min_width)[1] - 1)
     while True:  # at most a step or two: alignment can push the top edge just below hi

@@ -58,9 +58,10 @@ def _owner_path(gm: fx.GraphModule, node: fx.Node) -> str:
     weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
     owner = str(weight.target).rpartition(".")[0]  # type: ignore[union-attr]
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    # a Linear/Conv subclass traced through keeps its path; any other owner may hold more than this parameter
-    is_layer = bool(owner) and isinstance(gm.get_submodule(owner), (nn.Linear, nn.modules.conv._ConvNd))
-    return owner if is_layer and owner not in called else f"{owner.replace('.', '_')}_{node.name}".lstrip("_")
+    # the owner (a Linear/Conv subclass traced through) keeps its path if the graph reads nothing else from it
+    read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(f"{owner}.")}
+    only_this_layer = bool(owner) and read <= {f"{owner}.weight", f"{owner}.bias"} and owner not in called
+    return owner if only_this_layer else f"{owner.replace('.', '_')}_{node.name}".lstrip("_")
 
 
 def functional_to_modules(gm: fx.GraphModule) -> fx.GraphModule:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
 from torch import fx, nn
 
 from fxquant.config import LayerSettings, QuantConfig
@@ -36,6 +37,7 @@ from fxquant.patterns import OpKind, classify, is_mul, join_dim, join_inputs, te
 from fxquant.qparams import QParams, quantize
 
 _DROPPED = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Identity)
+_INT32_MAX = 2**31 - 1
 log = logging.getLogger(__name__)
 
 
@@ -139,7 +141,7 @@ def _lower_compute(low: _Lowering, node: fx.Node) -> None:
         qmodule = _quantized_layer(inner, parts, relu, low.backend)
     except BackendUnavailableError as error:
         if low.backend.fallback is None:
-            raise
+            raise BackendUnavailableError(f"layer {path!r}: {error}") from None
         # same activation representation, so the layer can run on the fallback with no conversion around it
         log.warning("fxquant: %s runs on %r: %s", path, low.backend.fallback, error)
         qmodule = _quantized_layer(inner, parts, relu, get_backend(low.backend.fallback))
@@ -147,7 +149,25 @@ def _lower_compute(low: _Lowering, node: fx.Node) -> None:
     low.qparams[node] = out_qp
 
 
+def _check_accumulator(inner: nn.Module, q_weight: torch.Tensor, in_qp: QParams, backend: Backend) -> None:
+    """Refuse a layer whose worst-case accumulator ``sum((q_x - zp) * q_w)`` does not fit in int32: the kernels
+    would wrap around silently. Real layers are far from it (it takes ~65k inputs per output, all at full-scale
+    weights); wrap-around of the kernels' intermediate sums is harmless, only the final sum must fit."""
+    if not backend.int32_accumulator:
+        return
+    axis = 1 if isinstance(inner, nn.modules.conv._ConvTransposeNd) else 0
+    per_output = q_weight.to(torch.int64).abs().sum([d for d in range(q_weight.dim()) if d != axis])
+    zero_point = int(in_qp.zero_point)
+    worst = int(per_output.max()) * max(zero_point - in_qp.qmin, in_qp.qmax - zero_point)
+    if worst > _INT32_MAX:
+        raise BackendUnavailableError(
+            f"the {backend.name} backend sums int8 products in int32, which inputs at the edges of the calibrated "
+            f"range would overflow ({worst:.3g} > 2**31 - 1 with {q_weight[0].numel()} inputs per output); use "
+            "the 'reference' backend or exclude this layer from quantization")
+
+
 def _quantized_layer(inner: nn.Module, parts: tuple, relu: bool, backend: Backend) -> nn.Module:
+    _check_accumulator(inner, parts[0], parts[3][0], backend)
     if isinstance(inner, nn.Linear):
         return QuantizedLinear(*parts, relu=relu, backend=backend)
     assert isinstance(inner, nn.modules.conv._ConvNd)
@@ -222,10 +242,20 @@ def _lower_node(low: _Lowering, node: fx.Node) -> None:
         _dequantize_inputs(low, node)
 
 
+def _view_to_reshape(node: fx.Node) -> None:
+    """``x.view(shape)`` -> ``x.reshape(shape)``: the fbgemm, qnnpack and oneDNN convs return channels-last tensors
+    (still so after a dequantize) where the float model had contiguous ones; ``view`` refuses them (the common
+    ``x.view(x.size(0), -1)`` after a conv crashed), ``reshape`` copies only then."""
+    if node.op == "call_method" and node.target == "view" and not any(
+            isinstance(arg, torch.dtype) for arg in (*node.args[1:], *node.kwargs.values())):
+        node.target = "reshape"
+
+
 def lower_to_int8(gm: fx.GraphModule, config: QuantConfig, backend: Backend) -> fx.GraphModule:
     """Rewrite a calibrated prepared graph (in place) into an INT8 graph running on ``backend``."""
     low = _Lowering(gm, config, backend, modules_of(gm), observer_qparams(gm, backend))
     for node in nodes_of(gm):
         if not getattr(node, "_erased", False):  # observers absorbed by their producer are already gone
+            _view_to_reshape(node)
             _lower_node(low, node)
     return finish(gm)

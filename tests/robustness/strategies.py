@@ -187,3 +187,20 @@ def batches(model: ModelSpec, data: DataSpec, count: int, *, offset: int = 0) ->
             values[:, channel] = constant
         out.append(torch.from_numpy(values * data.scale).float())
     return out
+
+
+@st.composite
+def observer_batches(draw: st.DrawFn) -> list[torch.Tensor]:
+    """1-4 float32 batches of one of ``DISTRIBUTIONS`` (or constant) at a scale from 1e-3 to 1e3."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    kind = draw(st.sampled_from([*DISTRIBUTIONS, "constant"]))
+    scale = 10.0 ** draw(st.floats(-3.0, 3.0))
+    out = []
+    for _ in range(draw(st.integers(1, 4))):
+        n = draw(st.integers(1, 600))
+        values = {"normal": lambda n=n: rng.normal(size=n), "uniform": lambda n=n: rng.uniform(-1.0, 3.0, size=n),
+                  "heavy_tailed": lambda n=n: rng.standard_t(1.5, size=n),
+                  "one_sided": lambda n=n: np.maximum(rng.normal(size=n), 0.0),
+                  "constant": lambda n=n: np.full(n, 0.7)}[kind]()
+        out.append(torch.from_numpy(values * scale).float())
+    return out

@@ -1,0 +1,237 @@
+"""SmoothQuant (Xiao et al., 2023): migrate activation outliers into the weights of the Linear layers they feed.
+
+Per-tensor activation quantization sizes its scale by the largest channel; a few channels 50-100x larger than the
+rest (as in transformer activations) leave the others a handful of int8 levels. For ``y = x W^T`` and any
+``s_j > 0``, ``y = (x / s) (W * s)^T``: the activation is divided per input channel and the weight columns are
+multiplied. With ``s_j = max|x_j|^alpha / max|W_:,j|^(1 - alpha)`` the activation channels shrink towards each other
+and the weights, quantized per output channel, absorb the range.
+
+Two phases, because ``s`` needs per-channel activation statistics:
+
+* ``prepare`` (``insert_smoothing_observers``, only when ``QuantConfig.smoothquant_alpha`` is set) puts one
+  :class:`ChannelRangeObserver` in front of each group of quantized Linear layers reading the same value; calibration
+  records each channel's min and max.
+* ``convert`` (``smooth_activations``) computes ``s`` (one per value, from the weights of every layer in the group),
+  scales the weight columns, and divides the activation by ``s``:
+
+  - folded into the producer when the value feeds only the group: a LayerNorm/RMSNorm (weight and bias / s) or a
+    Linear (+ ReLU) (output rows and bias / s). Free at inference.
+  - otherwise an explicit :class:`ChannelScale` (a float ``x * (1/s)``) in front of a new observer. Its cost is one
+    element-wise float multiply of the activation per inference; when the value was int8 already (the output of a
+    quantized layer) it also costs a dequantize before and a quantize after it.
+
+  Either way the per-tensor range the smoothed value is quantized with is recomputed exactly from the per-channel
+  statistics, ``[min_j(min_j / s_j), max_j(max_j / s_j)]`` (``s > 0``), and used as a ``minmax`` range: a clipping
+  observer's histogram of the unsmoothed value says nothing about the smoothed one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import fx, nn
+
+from fxquant.config import QuantConfig
+from fxquant.errors import CalibrationError
+from fxquant.nn.fused import Fused, compute_module
+from fxquant.observers import MinMaxObserver, Observer
+from fxquant.passes._graph import finish, nodes_of, only_user, replace_submodule
+from fxquant.passes._stats import (
+    StatisticsObserver,
+    absorbed_by_producer,
+    behind_statistics,
+    drop_statistics_node,
+    is_activation_observer,
+    is_quantized_layer,
+    module_of,
+    unique_name,
+)
+from fxquant.passes.bias_correction import InputMeanObserver
+from fxquant.patterns import tensor_input
+
+STATISTICS_PREFIX = "smoothquant_statistics_"
+_NORMS: tuple[type[nn.Module], ...] = tuple(t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None)
+
+
+class ChannelRangeObserver(StatisticsObserver):
+    """Per-channel min and max along the last axis (the features a Linear reads): SmoothQuant's statistics."""
+
+    channel_min: torch.Tensor
+    channel_max: torch.Tensor
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.register_buffer("channel_min", torch.full((channels,), math.inf))
+        self.register_buffer("channel_max", torch.full((channels,), -math.inf))
+
+    def _update(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
+        channels = self.channel_min.numel()
+        if x.dim() == 0 or x.shape[-1] != channels:
+            raise CalibrationError(f"{self.label}: expected {channels} features on the last axis, got a tensor of "
+                                   f"shape {tuple(x.shape)}")
+        low, high = torch.aminmax(x.reshape(-1, channels).float(), dim=0)
+        self.channel_min.copy_(torch.minimum(self.channel_min, low))
+        self.channel_max.copy_(torch.maximum(self.channel_max, high))
+
+    def _merge(self, other: Observer) -> None:
+        assert isinstance(other, ChannelRangeObserver)
+        self.channel_min.copy_(torch.minimum(self.channel_min, other.channel_min))
+        self.channel_max.copy_(torch.maximum(self.channel_max, other.channel_max))
+
+    def absmax(self) -> torch.Tensor:
+        return torch.maximum(-self.channel_min, self.channel_max).clamp(min=0.0)
+
+
+class ChannelScale(nn.Module):
+    """``x * scale`` along the last axis: SmoothQuant's explicit smoothing where ``1/s`` cannot be folded."""
+
+    scale: torch.Tensor
+
+    def __init__(self, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("scale", scale.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+    def extra_repr(self) -> str:
+        return f"channels={self.scale.numel()}"
+
+
+def smoothing_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha)``; channels that are all zero on either side keep s = 1."""
+    live = (act_absmax > 0) & (weight_absmax > 0)
+    tiny = torch.finfo(torch.float32).tiny
+    scales = act_absmax.clamp(min=tiny).pow(alpha) / weight_absmax.clamp(min=tiny).pow(1.0 - alpha)
+    return torch.where(live, scales, torch.ones_like(scales))
+
+
+def _smoothable(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """A quantized Linear (maybe fused with its activation) with a tensor input and an observed output."""
+    module = module_of(gm, node)
+    return (module is not None and isinstance(compute_module(module), nn.Linear) and is_quantized_layer(node)
+            and tensor_input(node) is not None and is_activation_observer(gm, only_user(node)))
+
+
+def insert_smoothing_observers(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> fx.GraphModule:
+    """Put a :class:`ChannelRangeObserver` before each group of quantized Linears reading one value (in place)."""
+    if config.smoothquant_alpha is None:
+        return gm
+    groups: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes_of(gm):
+        if _smoothable(gm, node):
+            groups.setdefault(tensor_input(node), []).append(node)  # type: ignore[arg-type]
+    for value, layers in groups.items():
+        widths = {compute_module(gm.get_submodule(str(n.target))).in_features for n in layers}  # type: ignore[union-attr]
+        if len(widths) != 1:
+            continue
+        observer = ChannelRangeObserver(widths.pop())
+        observer.label = f"SmoothQuant statistics of the input of {', '.join(prefix + str(n.target) for n in layers)}"
+        name = unique_name(gm, STATISTICS_PREFIX)
+        gm.add_submodule(name, observer)
+        with gm.graph.inserting_after(value):
+            statistics = gm.graph.call_module(name, (value,))
+        for layer in layers:
+            layer.replace_input_with(value, statistics)
+    return finish(gm)
+
+
+def _ranged_observer(statistics: ChannelRangeObserver, scales: torch.Tensor, label: str) -> MinMaxObserver:
+    """A ``minmax`` observer holding the exact range of the smoothed value, from the per-channel statistics."""
+    observer = MinMaxObserver()
+    observer.min_val.copy_((statistics.channel_min / scales).min())
+    observer.max_val.copy_((statistics.channel_max / scales).max())
+    observer.num_updates.copy_(statistics.num_updates)
+    observer.num_elements.copy_(statistics.num_elements)
+    observer.label = label
+    return observer
+
+
+def _fold_into(module: nn.Module, inverse: torch.Tensor) -> bool:
+    """Divide ``module``'s output channels by s (``inverse`` = 1/s) if it is a norm or a Linear (+ ReLU)."""
+    if isinstance(module, _NORMS) and getattr(module, "weight", None) is not None and \
+            tuple(module.normalized_shape) == (inverse.numel(),):  # type: ignore[arg-type]
+        module.weight.mul_(inverse)
+        if getattr(module, "bias", None) is not None:
+            module.bias.mul_(inverse)
+        return True
+    layer = compute_module(module)
+    relu_only = not isinstance(module, Fused) or (module.min_val == 0.0 and module.max_val is None)
+    if isinstance(layer, nn.Linear) and relu_only and layer.out_features == inverse.numel():
+        layer.weight.mul_(inverse[:, None])
+        if layer.bias is not None:
+            layer.bias.mul_(inverse)
+        return True
+    return False
+
+
+def _fold(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Tensor, observer: MinMaxObserver) -> bool:
+    """Fold 1/s into the producer of the observed value when the smoothed layers are its only readers."""
+    key = statistics_node.args[0]
+    if not isinstance(key, fx.Node) or not is_activation_observer(gm, key) or set(key.users) != {statistics_node}:
+        return False
+    producer = key.args[0]
+    if not isinstance(producer, fx.Node) or set(producer.users) != {key} or producer.op != "call_module":
+        return False
+    if not _fold_into(gm.get_submodule(str(producer.target)), 1.0 / scales):
+        return False
+    observer.label = getattr(gm.get_submodule(str(key.target)), "label", observer.label)
+    replace_submodule(gm, str(key.target), observer)
+    return True
+
+
+def _insert_scale(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Tensor, observer: Observer) -> None:
+    """``value -> ChannelScale(1/s) -> observer -> layers`` (reading the float value behind an input observer)."""
+    source = statistics_node.args[0]
+    assert isinstance(source, fx.Node)
+    if is_activation_observer(gm, source) and not absorbed_by_producer(gm, source):
+        source = source.args[0]  # type: ignore[assignment]  # skip a quantize that the multiply would undo
+    scale_name = unique_name(gm, "smoothquant_scale_")
+    gm.add_submodule(scale_name, ChannelScale(1.0 / scales))
+    observer_name = unique_name(gm, "smoothquant_observer_")
+    gm.add_submodule(observer_name, observer)
+    with gm.graph.inserting_before(statistics_node):
+        scaled = gm.graph.call_module(scale_name, (source,))
+        observed = gm.graph.call_module(observer_name, (scaled,))
+    statistics_node.replace_all_uses_with(observed)
+
+
+@torch.no_grad()
+def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver, alpha: float) -> None:
+    layer_nodes = [behind_statistics(gm, user) for user in node.users]
+    layers = [compute_module(module_of(gm, n) or nn.Module()) for n in layer_nodes]
+    weights = [layer.weight for layer in layers if isinstance(layer, nn.Linear)]
+    if len(weights) != len(layer_nodes):
+        return
+    scales = smoothing_scales(statistics.absmax(), torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0),
+                              alpha)
+    for weight in weights:
+        weight.mul_(scales)
+    for user in node.users:  # bias-correction statistics between here and the layer saw the unsmoothed value
+        module = module_of(gm, user)
+        if isinstance(module, InputMeanObserver):
+            module.rescale_channels(1.0 / scales)
+    names = ", ".join(str(n.target) for n in layer_nodes)
+    observer = _ranged_observer(statistics, scales, f"input of {names} (smoothed)")
+    if not _fold(gm, node, scales, observer):
+        _insert_scale(gm, node, scales, observer)
+
+
+def smooth_activations(gm: fx.GraphModule, config: QuantConfig) -> fx.GraphModule:
+    """Apply SmoothQuant from the calibrated :class:`ChannelRangeObserver` nodes of ``gm`` and remove them (in place).
+
+    Called by ``convert`` on its copy of the prepared model, before lowering. Example::
+
+        prepared = fxquant.prepare(model, example, QuantConfig(smoothquant_alpha=0.5))
+        fxquant.calibrate(prepared, data)
+        qmodel = fxquant.convert(prepared)      # smoothing happens here
+    """
+    for node in nodes_of(gm):
+        statistics = module_of(gm, node)
+        if not isinstance(statistics, ChannelRangeObserver):
+            continue
+        if config.smoothquant_alpha is not None and statistics.has_data and node.users:
+            _smooth(gm, node, statistics, float(config.smoothquant_alpha))
+        drop_statistics_node(gm, node)
+    return finish(gm)

@@ -1,0 +1,83 @@
+"""ONNX Runtime static INT8: the float model exported to ONNX, QDQ-quantized (u8 activations, s8 per-channel weights).
+
+``torch.onnx.export`` (the TorchScript exporter, ``dynamo=False``, when ``onnxscript`` is missing: the dynamo exporter
+needs it) with a dynamic batch axis -> ``onnxruntime.quantization.quantize_static`` fed the shared calibration batches
+-> one ``InferenceSession`` per thread count (``intra_op_num_threads`` is fixed when a session is created), picked
+by ``torch.get_num_threads()`` at call time so the benchmark's thread setting applies to it too. ORT's recommended
+``quant_pre_process`` step is skipped: its symbolic shape inference fails on the BERT-style encoder's reshapes.
+The TorchScript exporter records the branch that the example input takes through data-dependent control flow.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from _bench_common import Candidate, Peer, Workload, register_peer
+
+
+def _export_onnx(workload: Workload, path: Path) -> list[str]:
+    names = [f"input{i}" for i in range(len(workload.example))]
+    dynamo = importlib.util.find_spec("onnxscript") is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(workload.model, workload.example, str(path), input_names=names, output_names=["output"],
+                          dynamic_axes={name: {0: "batch"} for name in names}, dynamo=dynamo)
+    return names
+
+
+def _quantize(workload: Workload, names: list[str], float_path: Path, int8_path: Path) -> None:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self) -> None:
+            self.batches = iter([{n: x.numpy() for n, x in zip(names, batch, strict=True)}
+                                 for batch in workload.calibration])
+
+        def get_next(self) -> dict[str, Any] | None:
+            return next(self.batches, None)
+
+    quantize_static(str(float_path), str(int8_path), Reader(), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
+
+
+class _Sessions:
+    """One InferenceSession per intra-op thread count, created on first use."""
+
+    def __init__(self, model_bytes: bytes, names: list[str]) -> None:
+        self.model_bytes = model_bytes
+        self.names = names
+        self.sessions: dict[int, Any] = {}
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        threads = torch.get_num_threads()
+        if threads not in self.sessions:
+            import onnxruntime as ort
+
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = threads
+            options.inter_op_num_threads = 1
+            self.sessions[threads] = ort.InferenceSession(self.model_bytes, options,
+                                                          providers=["CPUExecutionProvider"])
+        feed = {name: x.numpy() for name, x in zip(self.names, inputs, strict=True)}
+        return torch.from_numpy(self.sessions[threads].run(None, feed)[0])
+
+
+@register_peer
+class OnnxRuntimeStatic(Peer):
+    """ONNX Runtime ``quantize_static``: QDQ format, QUInt8 activations, QInt8 per-channel weights."""
+
+    name = "ort"
+    label = "ONNX Runtime"
+    requires = ("onnxruntime", "onnx")
+
+    def build(self, workload: Workload) -> Candidate:
+        with tempfile.TemporaryDirectory() as tmp:
+            float_path, int8_path = Path(tmp, "float.onnx"), Path(tmp, "int8.onnx")
+            names = _export_onnx(workload, float_path)
+            _quantize(workload, names, float_path, int8_path)
+            return Candidate(self.label, _Sessions(int8_path.read_bytes(), names))
