@@ -208,3 +208,9 @@ def test_range_stays_inside_the_observed_range(name: str) -> None:
 def test_entropy_of_unobserved_observer_falls_back_to_the_empty_range() -> None:
     lo, hi = EntropyObserver().range()
     assert float(lo) == math.inf and float(hi) == -math.inf
+
+
+def test_grid_for_a_denormal_span_regression() -> None:
+    """Shrunk by hypothesis: a span of one denormal underflowed to a zero step and log2(0) raised."""
+    start, width = grid_for(-5e-324, 0.0, 16)
+    assert start <= -5e-324 and start + 16 * width >= 0.0
