@@ -48,6 +48,7 @@ class Candidate:
     run: Callable[..., Any]
     qdq: QdqCount | None = None
     note: str = ""  # how it was built, when a reader of the tables should know (e.g. a workaround)
+    lazy: bool = False  # its first call at a new shape or thread count builds something (a compile, a session)
 
 
 @dataclass(frozen=True)
@@ -289,6 +290,7 @@ def _cell(suite: Suite, where: Where, key: str, stats: dict[str, LatencyStats]) 
 def _keys(suite: Suite, prefix: bool) -> list[str]:
     seen = dict.fromkeys(k for _, stats in suite.rows for k in stats)
     seen.update(dict.fromkeys(k for (_, k) in suite.missing))
+    seen.update(dict.fromkeys(k[3] for k in suite.slow))
     return [k for k in seen if k != FP32 and k.startswith("fxquant:") == prefix]
 
 

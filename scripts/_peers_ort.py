@@ -80,4 +80,4 @@ class OnnxRuntimeStatic(Peer):
             float_path, int8_path = Path(tmp, "float.onnx"), Path(tmp, "int8.onnx")
             names = _export_onnx(workload, float_path)
             _quantize(workload, names, float_path, int8_path)
-            return Candidate(self.label, _Sessions(int8_path.read_bytes(), names))
+            return Candidate(self.label, _Sessions(int8_path.read_bytes(), names), lazy=True)

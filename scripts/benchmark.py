@@ -156,7 +156,8 @@ def warm_up(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], 
 
     A candidate slower than both ``--max-call-s`` and FP32 is not timed in rounds (qnnpack and the reference backend
     on big convnets at batch 32 take 5-20 s a call): its sizing call is reported as approximate, and it is left out
-    at the other thread counts of the same model and batch. A first call over three times that limit is enough.
+    at the other thread counts of the same model and batch. A first call over three times that limit is enough,
+    unless the candidate is lazy (its first call compiled or created a session).
     """
     kept, calls = {}, {}
     with num_threads(where[2]), torch.inference_mode():
@@ -169,7 +170,7 @@ def warm_up(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], 
             out, seconds = (reference, 0.0) if key == FP32 else _timed(candidate, inputs)
             if key != FP32:
                 suite.record_sqnr(where[0], key, where[1], sqnr_db(reference, torch.as_tensor(out)))
-            if seconds <= 3 * limit:
+            if seconds <= 3 * limit or candidate.lazy:
                 seconds = _timed(candidate, inputs)[1]
             if key != FP32 and seconds > limit:
                 suite.slow[(*where, key)] = seconds * 1e3

@@ -13,6 +13,7 @@ kept float: every observer statistic stays valid, only the lowering changes. For
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Collection
 from dataclasses import replace
 
@@ -78,17 +79,19 @@ def _release_output(gm: fx.GraphModule, node: fx.Node) -> None:
             user.replace_input_with(observer, node)
 
 
-def keep_layers_float(gm: fx.GraphModule, paths: Collection[str], prefix: str = "") -> fx.GraphModule:
-    """Keep the quantized layers at ``paths`` (``prefix`` + module path, as config patterns name them) float.
+def keep_layers_float(gm: fx.GraphModule, patterns: Collection[str], prefix: str = "") -> fx.GraphModule:
+    """Keep the quantized layers matching ``patterns`` (fnmatch on ``prefix`` + module path, as in
+    ``QuantConfig.exclude``) float.
 
     ``gm`` is a calibrated prepared graph (a copy: it is changed in place and returned). Example::
 
         gm = keep_layers_float(copy.deepcopy(prepared), {"fc2"})
     """
-    for node in nodes_of(gm):
-        if node.op != "call_module" or prefix + str(node.target) not in paths or not is_quantized_layer(node):
-            continue
+    chosen = [node for node in nodes_of(gm) if node.op == "call_module" and is_quantized_layer(node)
+              and any(fnmatch.fnmatchcase(prefix + str(node.target), pattern) for pattern in patterns)]
+    for node in chosen:  # all marked first: whether a value stays int8 depends on every reader's fate
         node.meta[LAYER_SETTINGS] = replace(node.meta[LAYER_SETTINGS], quantize=False, reason=REASON)
+    for node in chosen:
         _read_float_input(gm, node)
         _release_output(gm, node)
     return finish(gm)
