@@ -99,12 +99,16 @@ class QuantizedLinear(_QuantizedWeighted):
         return self.backend.linear(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
 
 
-class QuantizedConvNd(_QuantizedWeighted):
-    """INT8 ``nn.ConvNd`` (optionally fused with ReLU)."""
+class _QuantizedConvBase(_QuantizedWeighted):
+    """Quantized Linear state plus the convolution's geometry (needed before ``relower`` prepacks)."""
 
     def __init__(self, spec: ConvSpec, *args: Any, **kwargs: Any) -> None:
         self.spec = spec
         super().__init__(*args, **kwargs)
+
+
+class QuantizedConvNd(_QuantizedConvBase):
+    """INT8 ``nn.ConvNd`` (optionally fused with ReLU)."""
 
     def relower(self, backend: Backend) -> None:
         super().relower(backend)
@@ -114,12 +118,8 @@ class QuantizedConvNd(_QuantizedWeighted):
         return self.backend.conv(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
 
 
-class QuantizedConvTransposeNd(_QuantizedWeighted):
+class QuantizedConvTransposeNd(_QuantizedConvBase):
     """INT8 ``nn.ConvTransposeNd`` (weights per tensor: no kernel takes per-channel transposed weights)."""
-
-    def __init__(self, spec: ConvSpec, *args: Any, **kwargs: Any) -> None:
-        self.spec = spec
-        super().__init__(*args, **kwargs)
 
     def relower(self, backend: Backend) -> None:
         super().relower(backend)

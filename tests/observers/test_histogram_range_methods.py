@@ -18,13 +18,6 @@ from fxquant.qparams import affine_qparams, fake_quantize
 PROPERTY = settings(max_examples=25, deadline=None)
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> object:
-    """Histograms are small tensors: on a busy machine OpenMP's thread hand-offs cost more than the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def sample(kind: str, n: int = 20_000, seed: int = 0) -> torch.Tensor:

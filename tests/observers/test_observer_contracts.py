@@ -17,13 +17,6 @@ ORDER_FREE = ("minmax", "histogram", "percentile", "entropy", "mse")  # moving_a
 PROPERTY = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> object:
-    """Histograms are small tensors: on a busy machine OpenMP's thread hand-offs cost more than the work."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @st.composite
