@@ -6,6 +6,7 @@ Each step is a short sequence of passes; the heavy lifting lives in :mod:`fxquan
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from typing import Any
@@ -31,6 +32,8 @@ from fxquant.passes._graph import replace_submodule
 from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
 from fxquant.tracing import GraphBreak, trace, trace_partially
 
+log = logging.getLogger(__name__)
+
 
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
@@ -41,6 +44,10 @@ def _check_model(model: nn.Module) -> None:
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if tensor.device.type != "cpu":
             raise InputError(f"{name} is on {tensor.device}; fxquant targets CPU kernels: call model.cpu() first")
+    for name, parameter in model.named_parameters():  # not buffers: attention masks hold -inf by design
+        if parameter.is_floating_point() and not bool(torch.isfinite(parameter).all()):
+            raise InputError(f"parameter {name} holds NaN or Inf values: no scale can represent it; fix the "
+                             "checkpoint (or the training run that produced it) first")
 
 
 def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
@@ -64,6 +71,16 @@ def _run_example(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InputError(f"the model rejects the example inputs ({_describe(example_inputs)}): {reason}") from exc
+
+
+def _rejects(model: nn.Module, example_inputs: tuple[Any, ...]) -> bool:
+    """Whether the user's own float model fails on the example inputs (bad inputs, rather than a bad rewrite)."""
+    try:
+        with torch.no_grad():
+            model(*example_inputs)
+    except Exception:
+        return True
+    return False
 
 
 def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = None, *,
@@ -91,13 +108,24 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
         except TraceError as error:  # the root's own forward does not trace: quantize what is inside it
             gm, inner = wrap_untraceable_root(copy.deepcopy(model), config)
             breaks, wrapped = (error.failure, *inner), True
-    _run_example(gm, example_inputs)
+    try:
+        _run_example(gm, example_inputs)
+    except InputError as error:
+        if not wrapped or _rejects(model, example_inputs):
+            raise
+        raise TraceError(f"{type(model).__name__}'s forward does not trace, and run as written with its layers "
+                         f"swapped for INT8 islands it fails: {error}. It probably reads a layer's attributes "
+                         "(e.g. `F.linear(x, self.fc.weight)`); make the forward traceable (partial_tracing=False "
+                         "names the line that is not)") from error
     if not wrapped:
         gm = prepare_graph(gm, config)
         breaks = (*breaks, *prepare_islands(gm, breaks, config))
     specs = tuple(InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
                   for v in example_inputs if isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped)
+    if not observers_of(gm):  # documented (docs/robustness.md): a no-op, not an error, so all-float fallbacks work
+        log.warning("fxquant: %s has no Linear/Conv layer to quantize (none, or all excluded or untraceable); "
+                    "convert() will return it unchanged, in float", type(model).__name__)
     return gm
 
 

@@ -40,7 +40,8 @@ from fxquant.sensitivity import layer_sqnr
 log = logging.getLogger(__name__)
 
 FALLBACK_KEY = "fxquant_fallback"  # in the returned GraphModule's ``meta``
-SENSITIVITY_BATCHES = 4
+SENSITIVITY_BATCHES = 4  # calibration batches the per-layer SQNR ranking runs on
+LATENCY_BUDGET_S = 0.5  # per trial: enough for a median on small models, small next to an evaluation
 EvalFn = Callable[[nn.Module], float]
 
 
@@ -135,7 +136,7 @@ class _Search:
 
 def _latency_ms(model: nn.Module, example: tuple[Any, ...]) -> float:
     timing = measure_latency({"model": functools.partial(model, *example)}, warmup=2, min_runs=5, max_runs=50,
-                             time_budget_s=0.5)
+                             time_budget_s=LATENCY_BUDGET_S)
     return timing["model"].median
 
 
@@ -188,7 +189,7 @@ def _reiterable(data: Iterable[Any]) -> bool:
 
 
 def _refit(model: nn.Module, example: tuple[Any, ...], data: Iterable[Any], search: _Search,
-           options: dict[str, Any]) -> fx.GraphModule:
+           calibrate_fn: Callable[[fx.GraphModule, Iterable[Any]], object]) -> fx.GraphModule:
     """Quantize afresh with the chosen layers excluded by config, so the model saves and loads as usual."""
     result = search.result
     trial = result.trials[_choose(result.trials)]
@@ -200,8 +201,8 @@ def _refit(model: nn.Module, example: tuple[Any, ...], data: Iterable[Any], sear
                         "at convert time; re-quantize with result.config to get a model fxquant.save can rebuild")
         return convert(search.prepared, keep_float=trial.float_layers)
     prepared = prepare(model, example, config)
-    calibrate(prepared, data, **options)
-    refit = convert(prepared)
+    calibrate_fn(prepared, data)
+    refit = convert(prepared, keep_float=trial.float_layers)  # see keep_float.py: exclude alone may not suffice
     final = search.evaluate(refit, "final (re-quantized with exclude)", trial.float_layers)
     if final.met_budget or final.metric >= trial.metric:
         result.chosen, result.config = len(result.trials) - 1, config
@@ -243,8 +244,8 @@ def quantize_within_budget(model: nn.Module, example_inputs: Any, data: Iterable
     sample = list(itertools.islice(stream, SENSITIVITY_BATCHES))
     calibration_data = data if _reiterable(data) else itertools.chain(sample, stream)
     prepared = prepare(model, example, config)
-    options = {"num_batches": num_batches, "progress": progress}
-    calibrate(prepared, calibration_data, **options)
+    calibrate_fn = functools.partial(calibrate, num_batches=num_batches, progress=progress)
+    calibrate_fn(prepared, calibration_data)
     result = FallbackResult(float(eval_fn(model)), float(max_accuracy_drop), _latency_ms(model, example), config)
     search = _Search(prepared, eval_fn, result, max_trials, example)
     baseline = search.trial([], "all INT8")
@@ -252,7 +253,7 @@ def quantize_within_budget(model: nn.Module, example_inputs: Any, data: Iterable
     if not baseline.met_budget:
         result.sensitivity = layer_sqnr(prepared, convert(prepared), sample)
         search_layers(search, result.sensitivity)
-    qmodel = _refit(model, example, data, search, options)
+    qmodel = _refit(model, example, data, search, calibrate_fn)
     qmodel.meta[FALLBACK_KEY] = result
     log.info("accuracy-budget fallback:\n%s", result.to_markdown())
     return qmodel

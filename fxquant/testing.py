@@ -48,7 +48,7 @@ def simulate(prepared: fx.GraphModule, backend: str | None = None) -> fx.GraphMo
             layer = compute_module(gm.get_submodule(str(node.target)))
             assert layer is not None
             layer.weight.copy_(fake_quantize(layer.weight, weight_qparams(settings, layer)))
-    _average_pools_on_the_grid(gm, activation_qparams)
+    _average_pools_on_the_grid(gm, activation_qparams, kernel.pool_rounds_stored_integers)
     for name, qp in activation_qparams.items():
         replace_submodule(gm, name, FakeQuantize(qp))
     gm.recompile()
@@ -67,19 +67,21 @@ class _Centered(nn.Module):
 
 
 class _Requantized(nn.Module):
-    """A pooled mean of centered integers -> its grid value, rounded half to even as the INT8 kernels do."""
+    """A pooled mean of centered integers -> its grid value, rounded half to even as the backend's kernels do
+    (``Backend.pool_rounds_stored_integers``)."""
 
-    def __init__(self, qp: QParams) -> None:
+    def __init__(self, qp: QParams, stored: bool) -> None:
         super().__init__()
-        self.qp = qp
+        self.qp, self.stored = qp, stored
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         zero_point = int(self.qp.zero_point)
-        q = torch.clamp(torch.round(x), self.qp.qmin - zero_point, self.qp.qmax - zero_point)
+        q = torch.round(x + zero_point) - zero_point if self.stored else torch.round(x)
+        q = torch.clamp(q, self.qp.qmin - zero_point, self.qp.qmax - zero_point)
         return (q * float(self.qp.scale)).float()
 
 
-def _average_pools_on_the_grid(gm: fx.GraphModule, activation_qparams: dict[str, QParams]) -> None:
+def _average_pools_on_the_grid(gm: fx.GraphModule, activation_qparams: dict[str, QParams], stored: bool) -> None:
     """Follow int8 values from observers through ReLU, pools and reshapes (as ``lower_to_int8`` does) and run each
     average pool of one on the integers: its INT8 output keeps the input's qparams, so the mean is rounded to that
     grid. Pooling the float values instead rounds exact ties (a quarter of 2x2 means) by float error, one step off
@@ -95,7 +97,7 @@ def _average_pools_on_the_grid(gm: fx.GraphModule, activation_qparams: dict[str,
             pool = pool_options(node, modules) if kind is OpKind.VALUE else None
             if pool is not None and pool[0] != "max":
                 gm.add_submodule(f"centered_{node.name}", _Centered(qp))
-                gm.add_submodule(f"requantized_{node.name}", _Requantized(qp))
+                gm.add_submodule(f"requantized_{node.name}", _Requantized(qp, stored))
                 with gm.graph.inserting_before(node):
                     centered = gm.graph.call_module(f"centered_{node.name}", (source,))
                 node.replace_input_with(source, centered)

@@ -3,6 +3,10 @@
 ``prepare_fx`` with the engine's default qconfig mapping, calibration on the shared batches, ``convert_fx``. The
 process-wide quantized engine is set while preparing, converting and on every call, and restored each time, so the
 fxquant rows timed interleaved with these run under the process default, as a user's code would.
+
+On the BERT-style encoder the default mapping observes the int64 ``position_ids`` buffer through ``torch.narrow``
+(``HistogramObserver`` then raises ``"histogram_cpu" not implemented for 'Long'``), so ``torch.narrow`` is kept float
+there, the one-line fix a user would make.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from _bench_common import Candidate, Peer, Workload, _quiet_torch_deprecations, 
 from fxquant.kernels.quantized_engine import quantized_engine
 
 TORCH_AO_ENGINES = ("fbgemm", "x86", "qnnpack", "onednn")
+FLOAT_OBJECTS = {"bert_style": (torch.narrow,)}  # per model: ops whose qconfig is set to None
 
 
 class TorchAoFx(Peer):
@@ -33,10 +38,11 @@ class TorchAoFx(Peer):
         from torch.ao.quantization import get_default_qconfig_mapping
         from torch.ao.quantization.quantize_fx import convert_fx, prepare_fx
 
-        engine = self.engine
+        engine, mapping = self.engine, get_default_qconfig_mapping(self.engine)
+        for obj in FLOAT_OBJECTS.get(workload.name, ()):
+            mapping = mapping.set_object_type(obj, None)
         with _quiet_torch_deprecations(), quantized_engine(engine), torch.no_grad():
-            prepared = prepare_fx(copy.deepcopy(workload.model), get_default_qconfig_mapping(engine),
-                                  workload.example)
+            prepared = prepare_fx(copy.deepcopy(workload.model), mapping, workload.example)
             for batch in workload.calibration:
                 prepared(*batch)
             qmodel = convert_fx(prepared)
@@ -45,7 +51,9 @@ class TorchAoFx(Peer):
             with quantized_engine(engine):
                 return qmodel(*inputs)
 
-        return Candidate(self.label, run, count_torch_ao_qdq(qmodel))
+        floats = ", ".join(getattr(obj, "__name__", str(obj)) for obj in FLOAT_OBJECTS.get(workload.name, ()))
+        note = f"qconfig None for torch.{floats}" if floats else ""
+        return Candidate(self.label, run, count_torch_ao_qdq(qmodel), note=note)
 
 
 for _engine in TORCH_AO_ENGINES:

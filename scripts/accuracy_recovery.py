@@ -96,7 +96,7 @@ def unbalanced_mobilenet(factor: float = 50.0) -> nn.Module:
     why equalization skips ReLU6 pairs).
     """
     model = create_model("mobilenetv2", num_classes=10, settings=MOBILENET_SETTINGS)
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.ReLU6):
                 setattr(module, child_name, nn.ReLU())
@@ -130,11 +130,11 @@ def cle_evidence() -> None:
 
 @torch.no_grad()
 def outlier_heavy_digits(model: nn.Module, factor: float = 100.0) -> nn.Module:
-    """conv2's channel 0 divided by ``factor`` (through BN), fc1's columns that read it multiplied: same function,
-    but per-tensor fc1 weights and conv2 outputs lose most of their levels."""
-    model.bn2.weight[0] /= factor
-    model.bn2.bias[0] /= factor
-    model.fc1.weight.view(64, 32, 16)[:, 0] *= factor
+    """conv1's output channel 0 divided by ``factor`` (through BN1) and conv2's weights reading it multiplied: the
+    same float function, but with per-tensor weights conv2's other weights keep almost no int8 levels."""
+    model.bn1.weight[0] /= factor
+    model.bn1.bias[0] /= factor
+    model.conv2.weight[:, 0] *= factor
     return model
 
 

@@ -119,7 +119,7 @@ def time_workload(name: str, batch_size: int, args: argparse.Namespace) -> dict[
     fns = {label: cycling(build(label, model, batches[0]), batches) for label in labels()}
     with _quiet_torch_deprecations():
         return measure_latency(fns, warmup=1, min_runs=3 if args.quick else 5, max_runs=40,
-                               time_budget_s=20 if args.quick else 100, threads=args.threads)
+                               time_budget_s=20 if args.quick else 60, threads=args.threads)
 
 
 def _status_mb(field: str) -> float:

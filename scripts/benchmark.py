@@ -60,6 +60,8 @@ ISSUE5_BATCHES = {"bert_style": (8,)}
 # What a user is told to set: control_flow's negative branch never runs on post-ReLU inputs, so it has no ranges.
 MODEL_CONFIG = {"control_flow": {"exclude": ["gated.negative"]}}
 HEAVY_CALL_S = 0.25  # a config whose slowest call takes longer gets fewer warmup/minimum rounds
+
+
 @dataclass(frozen=True)
 class Plan:
     """What to run for one model."""
@@ -208,7 +210,7 @@ def _merge(passes: list[dict[str, LatencyStats]]) -> dict[str, LatencyStats]:
 
 
 def profile_if_beaten(candidates: dict[str, Candidate], stats: dict[str, LatencyStats],
-                      inputs: tuple[torch.Tensor, ...], where: tuple[str, int, int], suite: Suite) -> None:
+                      inputs: tuple[torch.Tensor, ...], where: Where, suite: Suite) -> None:
     """Top ops of the fastest fxquant backend and of the fastest torch-based peer, when some peer is faster.
 
     ONNX Runtime's kernels are invisible to torch.profiler, so when it wins the fastest torch-based peer is shown.

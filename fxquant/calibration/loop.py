@@ -196,6 +196,10 @@ def calibrate(prepared: fx.GraphModule, data: Iterable[Any] | torch.Tensor, *, n
         summary = fxquant.calibrate(prepared, loader, num_batches=32)
         print(summary)
     """
+    state = getattr(prepared, "meta", {}).get(STATE_KEY)
+    if state is not None and state.stage == "converted":
+        raise InputError("calibrate() takes the model returned by prepare(); this one is already converted (its "
+                         "observers are gone): calibrate the prepared model, then convert it again")
     options = _resolve(distributed, data, {
         "num_batches": num_batches, "max_samples": max_samples, "progress": progress,
         "skip_nonfinite": skip_nonfinite, "transform": transform, "diagnose": diagnose, "checkpoint": checkpoint,

@@ -53,6 +53,10 @@ class Backend(ABC):
     name: ClassVar[str] = ""
     fallback: ClassVar[str | None] = None  # a backend with the same activation representation, for missing kernels
     int32_accumulator: ClassVar[bool] = True  # sums int8 products in int32: layers that could overflow are refused
+    int32_bias: ClassVar[bool] = False  # adds the bias rounded to int32 at scale s_x * s_w (not as a float)
+    # Average pools round a mean half to even: of ``q - zero_point`` (False), or of the stored ``q`` (True: torch's
+    # quantized kernels); the two differ on exact ties (a quarter of 2x2 means) when the zero point is odd.
+    pool_rounds_stored_integers: ClassVar[bool] = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Backend:
         return self  # backends are stateless shared instances; copying a model must not copy them

@@ -73,8 +73,19 @@ def _within(y: torch.Tensor, qp: QParams) -> torch.Tensor:
     return torch.clamp(y, (qp.qmin - zp) * scale, (qp.qmax - zp) * scale)
 
 
+def _canonical(a: torch.Tensor) -> torch.Tensor:
+    """``a`` with the strides torch's quantized pools expect. They misread a tensor that is channels-last by its
+    flags but not by its strides (a batch of one reshaped from a channels-last conv output: 42-66 steps off,
+    measured with torch 2.13), so anything but canonical contiguous or channels-last strides is copied."""
+    formats = [torch.contiguous_format, *([torch.channels_last] if a.dim() == 4 else [])]
+    if any(a.stride() == torch.empty(0).new_empty(a.shape, memory_format=f).stride() for f in formats):
+        return a
+    return a.contiguous()
+
+
 class _QuantizedDtypeBackend(Backend):
     engine = ""
+    pool_rounds_stored_integers = True
 
     @classmethod
     def is_available(cls) -> bool:
@@ -146,11 +157,14 @@ class _QuantizedDtypeBackend(Backend):
 
     def adaptive_avg_pool(self, a: torch.Tensor, qp: QParams, output_size: Any) -> torch.Tensor:
         fn = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}[a.dim()]
-        return fn(a, output_size)
+        return fn(_canonical(a), output_size)
 
     def avg_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:
         fn = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[dim]
-        return fn(a, **kwargs)
+        return fn(_canonical(a), **kwargs)
+
+    def max_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:
+        return super().max_pool(_canonical(a), qp, dim, kwargs)
 
 
 @register_backend("fbgemm")
@@ -185,6 +199,7 @@ class QnnpackBackend(_QuantizedDtypeBackend):
     """Mobile-first kernels; its convs return channels-last tensors, made contiguous before element-wise ops."""
 
     engine = "qnnpack"
+    int32_bias = True  # measured: a bias beyond 2**31 steps of s_x * s_w wraps (fbgemm adds a float bias)
 
     def relu(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
         return torch.relu(a.contiguous())

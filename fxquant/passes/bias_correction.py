@@ -61,7 +61,7 @@ class Window:
     @classmethod
     def of(cls, conv: nn.modules.conv._ConvNd) -> Window:
         mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
-        return cls(tuple(conv.kernel_size), tuple(conv.stride), tuple(conv.dilation),  # type: ignore[arg-type]
+        return cls(tuple(conv.kernel_size), tuple(conv.stride), tuple(conv.dilation),
                    tuple(conv._reversed_padding_repeated_twice), mode)
 
 

@@ -93,8 +93,8 @@ def equalize_pair(first: Layer, second: Layer) -> float:
 
 
 def _quantized(node: fx.Node) -> bool:
-    settings = node.meta.get(LAYER_SETTINGS)
-    return settings is not None and settings.quantize
+    settings = node.meta.get(LAYER_SETTINGS)  # unresolved (a bare fused graph): every layer counts
+    return settings is None or bool(settings.quantize)
 
 
 def equalizable_pairs(gm: fx.GraphModule) -> list[tuple[str, str]]:
@@ -126,9 +126,10 @@ def equalize_layers(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -
     resolve_layer_settings(gm, config, prefix)  # only layers that will be quantized are worth rescaling
     pairs = [(compute_module(gm.get_submodule(a)), compute_module(gm.get_submodule(b)))
              for a, b in equalizable_pairs(gm)]
-    for sweep in range(MAX_SWEEPS):
-        moved = max((equalize_pair(a, b) for a, b in pairs if a is not None and b is not None), default=0.0)
-        if moved < TOLERANCE:
+    sweeps = 0
+    while pairs and sweeps < MAX_SWEEPS:
+        sweeps += 1
+        if max(equalize_pair(a, b) for a, b in pairs if a is not None and b is not None) < TOLERANCE:
             break
-    log.info("cross-layer equalization: %d layer pairs, %d sweeps", len(pairs), sweep + 1 if pairs else 0)
+    log.info("cross-layer equalization: %d layer pairs, %d sweeps", len(pairs), sweeps)
     return gm

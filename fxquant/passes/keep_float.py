@@ -9,6 +9,10 @@ kept float: every observer statistic stays valid, only the lowering changes. For
 * keeps its output observer for readers that stay int8 (where a ``Quantize`` is needed anyway) and lets float readers
   (the model output, float ops) read the float value directly;
 * marks the node's :class:`~fxquant.config.LayerSettings` ``quantize=False`` so later passes (bias correction) skip it.
+
+Layers the config already excludes may be named too: lowering quantizes an excluded layer anyway when its input is
+int8 and the next layer's input observer directly follows it (``lower_to_int8`` does not read ``quantize``), and
+the float input given here prevents that.
 """
 
 from __future__ import annotations
@@ -87,10 +91,11 @@ def keep_layers_float(gm: fx.GraphModule, patterns: Collection[str], prefix: str
 
         gm = keep_layers_float(copy.deepcopy(prepared), {"fc2"})
     """
-    chosen = [node for node in nodes_of(gm) if node.op == "call_module" and is_quantized_layer(node)
+    chosen = [node for node in nodes_of(gm) if node.op == "call_module" and LAYER_SETTINGS in node.meta
               and any(fnmatch.fnmatchcase(prefix + str(node.target), pattern) for pattern in patterns)]
     for node in chosen:  # all marked first: whether a value stays int8 depends on every reader's fate
-        node.meta[LAYER_SETTINGS] = replace(node.meta[LAYER_SETTINGS], quantize=False, reason=REASON)
+        if is_quantized_layer(node):
+            node.meta[LAYER_SETTINGS] = replace(node.meta[LAYER_SETTINGS], quantize=False, reason=REASON)
     for node in chosen:
         _read_float_input(gm, node)
         _release_output(gm, node)

@@ -149,25 +149,31 @@ def _lower_compute(low: _Lowering, node: fx.Node) -> None:
     low.qparams[node] = out_qp
 
 
-def _check_accumulator(inner: nn.Module, q_weight: torch.Tensor, in_qp: QParams, backend: Backend) -> None:
-    """Refuse a layer whose worst-case accumulator ``sum((q_x - zp) * q_w)`` does not fit in int32: the kernels
-    would wrap around silently. Real layers are far from it (it takes ~65k inputs per output, all at full-scale
-    weights); wrap-around of the kernels' intermediate sums is harmless, only the final sum must fit."""
+def _check_accumulator(inner: nn.Module, parts: tuple, backend: Backend) -> None:
+    """Refuse a layer whose worst-case accumulator ``sum((q_x - zp) * q_w)`` (plus the bias, where the backend
+    rounds it to int32 at scale ``s_x * s_w``) does not fit in int32: the kernels would wrap around silently.
+    Real layers are far from it: it takes ~65k inputs per output at full-scale weights, or a bias ~1e9 steps
+    large (an input that was constant in calibration gets a ~1e-7 scale); wrap-around of the kernels'
+    intermediate sums is harmless, only the final sum must fit."""
+    q_weight, w_qp, bias, (in_qp, _) = parts
     if not backend.int32_accumulator:
         return
     axis = 1 if isinstance(inner, nn.modules.conv._ConvTransposeNd) else 0
-    per_output = q_weight.to(torch.int64).abs().sum([d for d in range(q_weight.dim()) if d != axis])
+    worst = q_weight.to(torch.float64).abs().sum([d for d in range(q_weight.dim()) if d != axis])
     zero_point = int(in_qp.zero_point)
-    worst = int(per_output.max()) * max(zero_point - in_qp.qmin, in_qp.qmax - zero_point)
-    if worst > _INT32_MAX:
+    worst *= max(zero_point - in_qp.qmin, in_qp.qmax - zero_point)
+    if backend.int32_bias and bias is not None:
+        worst += torch.round(bias.detach().double() / (float(in_qp.scale) * w_qp.scale.double())).abs()
+    if float(worst.max()) > _INT32_MAX:
         raise BackendUnavailableError(
             f"the {backend.name} backend sums int8 products in int32, which inputs at the edges of the calibrated "
-            f"range would overflow ({worst:.3g} > 2**31 - 1 with {q_weight[0].numel()} inputs per output); use "
-            "the 'reference' backend or exclude this layer from quantization")
+            f"range would overflow ({float(worst.max()):.3g} > 2**31 - 1 with {q_weight[0].numel()} inputs per "
+            f"output, input scale {float(in_qp.scale):.3g}); use the 'reference' backend or exclude this layer "
+            "from quantization")
 
 
 def _quantized_layer(inner: nn.Module, parts: tuple, relu: bool, backend: Backend) -> nn.Module:
-    _check_accumulator(inner, parts[0], parts[3][0], backend)
+    _check_accumulator(inner, parts, backend)
     if isinstance(inner, nn.Linear):
         return QuantizedLinear(*parts, relu=relu, backend=backend)
     assert isinstance(inner, nn.modules.conv._ConvNd)

@@ -107,6 +107,12 @@ def smoothing_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alph
     return torch.where(live, scales, torch.ones_like(scales))
 
 
+def _linear(gm: fx.GraphModule, node: fx.Node) -> nn.Linear:
+    layer = compute_module(gm.get_submodule(str(node.target)))
+    assert isinstance(layer, nn.Linear)
+    return layer
+
+
 def _smoothable(gm: fx.GraphModule, node: fx.Node) -> bool:
     """A quantized Linear (maybe fused with its activation) with a tensor input and an observed output."""
     module = module_of(gm, node)
@@ -120,10 +126,11 @@ def insert_smoothing_observers(gm: fx.GraphModule, config: QuantConfig, prefix: 
         return gm
     groups: dict[fx.Node, list[fx.Node]] = {}
     for node in nodes_of(gm):
-        if _smoothable(gm, node):
-            groups.setdefault(tensor_input(node), []).append(node)  # type: ignore[arg-type]
+        value = tensor_input(node)
+        if value is not None and _smoothable(gm, node):
+            groups.setdefault(value, []).append(node)
     for value, layers in groups.items():
-        widths = {compute_module(gm.get_submodule(str(n.target))).in_features for n in layers}  # type: ignore[union-attr]
+        widths = {_linear(gm, n).in_features for n in layers}
         if len(widths) != 1:
             continue
         observer = ChannelRangeObserver(widths.pop())
@@ -150,11 +157,12 @@ def _ranged_observer(statistics: ChannelRangeObserver, scales: torch.Tensor, lab
 
 def _fold_into(module: nn.Module, inverse: torch.Tensor) -> bool:
     """Divide ``module``'s output channels by s (``inverse`` = 1/s) if it is a norm or a Linear (+ ReLU)."""
-    if isinstance(module, _NORMS) and getattr(module, "weight", None) is not None and \
-            tuple(module.normalized_shape) == (inverse.numel(),):  # type: ignore[arg-type]
-        module.weight.mul_(inverse)
-        if getattr(module, "bias", None) is not None:
-            module.bias.mul_(inverse)
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    shape = tuple(getattr(module, "normalized_shape", ()))
+    if isinstance(module, _NORMS) and isinstance(weight, torch.Tensor) and shape == (inverse.numel(),):
+        weight.mul_(inverse)
+        if isinstance(bias, torch.Tensor):
+            bias.mul_(inverse)
         return True
     layer = compute_module(module)
     relu_only = not isinstance(module, Fused) or (module.min_val == 0.0 and module.max_val is None)
@@ -186,7 +194,8 @@ def _insert_scale(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Te
     source = statistics_node.args[0]
     assert isinstance(source, fx.Node)
     if is_activation_observer(gm, source) and not absorbed_by_producer(gm, source):
-        source = source.args[0]  # type: ignore[assignment]  # skip a quantize that the multiply would undo
+        source = source.args[0]  # skip a quantize that the multiply would undo
+        assert isinstance(source, fx.Node)
     scale_name = unique_name(gm, "smoothquant_scale_")
     gm.add_submodule(scale_name, ChannelScale(1.0 / scales))
     observer_name = unique_name(gm, "smoothquant_observer_")

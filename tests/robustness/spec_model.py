@@ -158,7 +158,7 @@ class SpecModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         values = [x]
         for index, op in enumerate(self.spec.ops):
-            layer = self.layers[f"op{index}"] if f"op{index}" in self.layers else None
+            layer = getattr(self.layers, f"op{index}", None)
             values.append(apply(op, layer, [values[i] for i in op.src], self.ranks[index]))
         return values[-1]
 
