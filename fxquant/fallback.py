@@ -64,7 +64,7 @@ class FallbackResult:
     float_metric: float
     max_accuracy_drop: float
     float_latency_ms: float
-    config: QuantConfig  # reproduces the returned model with fxquant.quantize
+    config: QuantConfig  # the config with the chosen layers excluded: fxquant.quantize with it reproduces them
     trials: list[Trial] = field(default_factory=list)
     chosen: int = 0  # index in ``trials``
     sensitivity: dict[str, float] = field(default_factory=dict)  # isolated SQNR (dB), most sensitive first
@@ -192,20 +192,21 @@ def _refit(model: nn.Module, example: tuple[Any, ...], data: Iterable[Any], sear
            calibrate_fn: Callable[[fx.GraphModule, Iterable[Any]], object]) -> fx.GraphModule:
     """Quantize afresh with the chosen layers excluded by config, so the model saves and loads as usual."""
     result = search.result
-    trial = result.trials[_choose(result.trials)]
-    config = replace(result.config, exclude=(*result.config.exclude, *trial.float_layers))
-    result.chosen = result.trials.index(trial)
-    if not trial.float_layers or not _reiterable(data):
-        if trial.float_layers:
-            log.warning("fallback: the data cannot be iterated again, so the returned model keeps layers float "
-                        "at convert time; re-quantize with result.config to get a model fxquant.save can rebuild")
+    result.chosen = _choose(result.trials)
+    trial = result.best
+    if not trial.float_layers:
+        return convert(search.prepared)
+    result.config = replace(result.config, exclude=(*result.config.exclude, *trial.float_layers))
+    if not _reiterable(data):
+        log.warning("fallback: the data cannot be iterated again, so the returned model keeps layers float at "
+                    "convert time; re-quantize with result.config for a model that fxquant.save can rebuild")
         return convert(search.prepared, keep_float=trial.float_layers)
-    prepared = prepare(model, example, config)
+    prepared = prepare(model, example, result.config)
     calibrate_fn(prepared, data)
     refit = convert(prepared, keep_float=trial.float_layers)  # see keep_float.py: exclude alone may not suffice
     final = search.evaluate(refit, "final (re-quantized with exclude)", trial.float_layers)
     if final.met_budget or final.metric >= trial.metric:
-        result.chosen, result.config = len(result.trials) - 1, config
+        result.chosen = len(result.trials) - 1
         return refit
     return convert(search.prepared, keep_float=trial.float_layers)
 

@@ -78,7 +78,7 @@ def _canonical(a: torch.Tensor) -> torch.Tensor:
     flags but not by its strides (a batch of one reshaped from a channels-last conv output: 42-66 steps off,
     measured with torch 2.13), so anything but canonical contiguous or channels-last strides is copied."""
     formats = [torch.contiguous_format, *([torch.channels_last] if a.dim() == 4 else [])]
-    if any(a.stride() == torch.empty(0).new_empty(a.shape, memory_format=f).stride() for f in formats):
+    if any(a.stride() == torch.empty(a.shape, memory_format=f, device="meta").stride() for f in formats):
         return a
     return a.contiguous()
 

@@ -92,7 +92,14 @@ class Observer(nn.Module):
         """Per-tensor affine qparams for ``qrange``; raises ``CalibrationError`` if the observer saw no data."""
         if not self.has_data:
             raise CalibrationError(f"observer {self.label or type(self).__name__} saw no data; run calibrate() first")
-        lo, hi = self.range()
+        # One thread: range searches reduce over small tensors, and a parallel reduction's order (so its last bits)
+        # depends on the thread count; qparams rebuilt from saved statistics must come out bit-identical.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            lo, hi = self.range()
+        finally:
+            torch.set_num_threads(threads)
         return affine_qparams(lo, hi, qrange)
 
     def range(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,7 @@ from torch import fx, nn
 
 import fxquant
 from fxquant import QuantConfig
+from fxquant.models import create_model
 from fxquant.passes import equalize_layers, fold_batchnorm, fuse_activations
 from fxquant.passes.equalize import equalizable_pairs
 from fxquant.qparams import sqnr_db
@@ -102,3 +103,25 @@ def test_equalization_rescues_per_tensor_weights() -> None:
         measured[equalize] = sqnr_db(model(x), qmodel(x))
     gain = measured[True] - measured[False]
     assert gain >= 6.0, f"CLE gain {gain:.2f} dB ({measured[False]:.2f} -> {measured[True]:.2f} dB)"
+
+
+def test_equalization_on_unbalanced_depthwise_mobilenet() -> None:
+    """Shallow MobileNetV2 (ReLU: equalization skips ReLU6), a quarter of each depthwise channel 50x larger."""
+    model = create_model("mobilenetv2", num_classes=10, settings=((1, 16, 1, 1), (6, 24, 2, 2)))
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.ReLU6):
+                setattr(module, name, nn.ReLU())
+    with torch.no_grad():
+        for block in model.features[1:-1]:
+            bn, project = block.conv[-2][1], block.conv[-1][0]
+            bn.weight[::4] *= 50
+            bn.bias[::4] *= 50
+            project.weight[:, ::4] /= 50
+    data = [torch.randn(4, 3, 32, 32) for _ in range(3)]
+    x = torch.randn(8, 3, 32, 32)
+    measured = {}
+    for equalize in (False, True):
+        config = QuantConfig(weight="per_tensor", equalize=equalize, bias_correction=equalize)
+        measured[equalize] = sqnr_db(model(x), fxquant.quantize(model, (x,), data, config, progress=False)(x))
+    assert measured[True] - measured[False] >= 6.0, f"per_tensor -> + CLE + bias correction: {measured} dB"

@@ -87,6 +87,10 @@ def out_shape(op: Op, inputs: list[Shape]) -> Shape:
     return shape  # bn, act, add, mul
 
 
+_JOINS: dict[tuple[str, str], Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    ("add", "operator"): operator.add, ("add", "torch"): torch.add, ("mul", "operator"): operator.mul,
+    ("mul", "torch"): torch.mul,
+}
 _ACT_MODULES: dict[str, Callable[[], nn.Module]] = {
     "relu": nn.ReLU, "relu6": nn.ReLU6, "hardtanh": lambda: nn.Hardtanh(-1.0, 2.0), "gelu": nn.GELU,
     "sigmoid": nn.Sigmoid,
@@ -177,9 +181,8 @@ def apply(op: Op, layer: nn.Module | None, xs: list[torch.Tensor], rank: int) ->
         fn = _POOL_FUNCTIONS[name, rank - 1]
         return fn(x, kernel) if name == "adaptive" else fn(x, kernel, stride, padding)
     if op.kind in ("add", "mul"):
-        fn = {("add", "operator"): operator.add, ("add", "torch"): torch.add,
-              ("mul", "operator"): operator.mul, ("mul", "torch"): torch.mul}[op.kind, op.form]
-        total = fn(x, xs[1])
+        join = _JOINS[op.kind, op.form]
+        total = join(x, xs[1])
         return F.relu(total) if op.args and op.args[0] else total
     if op.kind == "cat":
         return torch.cat([x, xs[1]], 1)
@@ -193,12 +196,12 @@ def apply(op: Op, layer: nn.Module | None, xs: list[torch.Tensor], rank: int) ->
 
 
 def _functional(op: Op, layer: nn.Module | None, x: torch.Tensor) -> torch.Tensor:
-    assert layer is not None
-    if op.kind == "linear":
+    if isinstance(layer, nn.Linear):
         return F.linear(x, layer.weight, layer.bias)
-    if op.kind == "bn":
+    if isinstance(layer, nn.modules.batchnorm._BatchNorm):
         return F.batch_norm(x, layer.running_mean, layer.running_var, layer.weight, layer.bias, False, 0.0,
                             layer.eps)
+    assert isinstance(layer, (nn.Conv1d, nn.Conv2d)), op
     conv = F.conv1d if isinstance(layer, nn.Conv1d) else F.conv2d
     return conv(x, layer.weight, layer.bias, layer.stride, layer.padding, layer.dilation, layer.groups)
 

@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from spec_model import ModelSpec, Op, Shape, conv_length, out_shape
 
+from fxquant.nn.quantized import QuantizedLinear
+
 MAX_CHANNELS = 16
 MAX_FEATURES = 48
 DISTRIBUTIONS = ("normal", "uniform", "heavy_tailed", "one_sided")
@@ -29,6 +31,13 @@ def profile(fraction: float = 1.0) -> settings:
     base = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "robustness"))
     return settings(base, max_examples=max(1, round(base.max_examples * fraction)), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+def quantized_linear(qmodel: torch.nn.Module, path: str) -> QuantizedLinear:
+    """The converted Linear at ``path`` (typed, for its qparams)."""
+    layer = qmodel.get_submodule(path)
+    assert isinstance(layer, QuantizedLinear), f"{path} is a {type(layer).__name__}"
+    return layer
 
 
 def _divisors(n: int) -> list[int]:

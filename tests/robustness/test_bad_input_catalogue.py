@@ -100,7 +100,7 @@ def test_model_without_linear_or_conv_converts_to_itself_with_a_warning(caplog: 
 def test_everything_excluded_is_the_same_documented_no_op(caplog: pytest.LogCaptureFixture) -> None:
     model = _Net().eval()
     with caplog.at_level(logging.WARNING, logger="fxquant.api"):
-        prepared = fxquant.prepare(model, (_x(),), fxquant.QuantConfig(exclude=["*"]))
+        prepared = fxquant.prepare(model, (_x(),), fxquant.QuantConfig(exclude=("*",)))
     assert "none, or all excluded" in caplog.text
     fxquant.calibrate(prepared, [_x()], progress=False)
     x = _x()

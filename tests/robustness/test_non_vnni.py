@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from strategies import quantized_linear
 from torch import nn
 
 import fxquant
@@ -78,7 +79,7 @@ def test_without_vnni_every_activation_is_seven_bit_and_matches_the_simulation(
     fake = simulate(calibrated, backend)
     for gain in (1.0, 50.0):  # also far beyond the calibrated range, where only a clamp keeps values in 7 bits
         x = torch.randn(4, 3, 6, 6) * gain
-        step = float(qmodel.fc.out_qp.scale)
+        step = float(quantized_linear(qmodel, "fc").out_qp.scale)
         error = float((qmodel(x) - fake(x)).abs().max()) / step
         assert error <= 1.0 + 1e-4, f"{backend} without VNNI, inputs x{gain}: {error:.2f} steps from the simulation"
         for path, values in _int8_outputs(qmodel, x):
