@@ -223,6 +223,12 @@ def _dequantize_inputs(low: _Lowering, node: fx.Node) -> None:
         node.replace_input_with(value, low.dequantized[value])
 
 
+def _wants_int8(node: fx.Node) -> bool:
+    """A layer the config keeps float may still be followed by an observer: the next layer's input observer."""
+    settings = node.meta.get(LAYER_SETTINGS)
+    return settings is None or bool(settings.quantize)
+
+
 def _lower_node(low: _Lowering, node: fx.Node) -> None:
     kind = classify(node, low.modules)
     source = tensor_input(node)
@@ -230,7 +236,7 @@ def _lower_node(low: _Lowering, node: fx.Node) -> None:
     if _observer(low, node) is not None:  # an observer no producer absorbed: a float value entering int8
         qp = _output_qparams(low, node)
         low.qparams[low.swap_to_module(node, "quantize", Quantize(qp, low.backend), (source,))] = qp
-    elif kind is OpKind.COMPUTE and observed and source in low.qparams:
+    elif kind is OpKind.COMPUTE and observed and source in low.qparams and _wants_int8(node):
         _lower_compute(low, node)
     elif kind is OpKind.BINARY and observed and all(a in low.qparams for a in node.args[:2]):
         _lower_binary(low, node)
