@@ -27,6 +27,7 @@ _FLOOR_BITS = 20
 _MIN_EXPONENT = -100  # the grid of an all-zero tensor
 _CHUNK = 128  # candidate ranges evaluated per batch in expected_sq_error: bounds the temporary memory
 _INT16_BINS = 32767
+_COUNT_CHUNK = 1 << 16  # values binned per step of count(): bounds its temporaries to ~384 KiB
 
 
 @dataclass(frozen=True)
@@ -72,11 +73,21 @@ def count(x: torch.Tensor, start: float, width: float, bins: int) -> torch.Tenso
     if torch.get_num_threads() > 2 or bins > _INT16_BINS or x.device.type != "cpu":
         return torch.histc(x, bins, min=start, max=start + bins * width).double()
     # x / width - start / width in one op: scaling by a power of two is exact, so this rounds like (x - start) / width.
+    # In chunks, into two reused scratch buffers: batch-sized temporaries cost more in page faults than the
+    # arithmetic (a 25.7M-value conv output: ~300 ms whole vs ~70 ms chunked) and would grow with the batch.
+    flat = x.reshape(-1)
     offset = torch.tensor(-start / width, dtype=x.dtype)
-    index = torch.add(offset, x.reshape(-1), alpha=1.0 / width).to(torch.int16)  # truncation == floor: index >= 0
-    counts = torch.bincount(index, minlength=bins + 1).double()
-    counts[bins - 1] += counts[bins:].sum()  # the top edge itself belongs to the last bin, as in histc
-    return counts[:bins]
+    size = min(flat.numel(), _COUNT_CHUNK)
+    scratch, index = torch.empty(size, dtype=x.dtype), torch.empty(size, dtype=torch.int16)
+    counts = torch.zeros(bins + 1, dtype=torch.int64)
+    for begin in range(0, flat.numel(), _COUNT_CHUNK):
+        part = flat[begin:begin + _COUNT_CHUNK]
+        values, indices = scratch[:part.numel()], index[:part.numel()]
+        indices.copy_(torch.add(offset, part, alpha=1.0 / width, out=values))  # truncation == floor: index >= 0
+        counts += torch.bincount(indices, minlength=bins + 1)
+    result = counts.double()
+    result[bins - 1] += result[bins:].sum()  # the top edge itself belongs to the last bin, as in histc
+    return result[:bins]
 
 
 def rebin(hist: Histogram, start: float, width: float, bins: int) -> torch.Tensor:
