@@ -105,6 +105,7 @@ def _average_pools_on_the_grid(gm: fx.GraphModule, activation_qparams: dict[str,
                     rounded = gm.graph.call_module(f"requantized_{node.name}", (node,))
                 node.replace_all_uses_with(rounded)
                 rounded.args = (node,)
+                qparams[rounded] = qp  # what reads the pool reads this node now
 
 
 def assert_sqnr(reference: torch.Tensor, actual: torch.Tensor, floor_db: float, what: str = "output") -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -135,8 +136,7 @@ def build_candidates(name: str, plan: Plan, args: argparse.Namespace, suite: Sui
             try:
                 candidates[key] = peer.build(workload)
             except Exception as exc:  # a peer failing on one model must not end the whole run
-                first = (str(exc).strip().splitlines() or [""])[0][:300]
-                reason = f"{peer.label} fails on {name}: {type(exc).__name__}: {first}"
+                reason = f"{peer.label} fails on {name}: {_reason(exc)}"
         if reason is not None:
             suite.unavailable(name, key, reason)
         elif candidates[key].note:
@@ -144,6 +144,10 @@ def build_candidates(name: str, plan: Plan, args: argparse.Namespace, suite: Sui
         print(f"{name}: built {peer.label} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     suite.qdq.update({(name, k): c.qdq for k, c in candidates.items() if c.qdq is not None})
     return candidates
+
+
+def _reason(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}"
 
 
 def _timed(candidate: Candidate, inputs: tuple[torch.Tensor, ...]) -> tuple[object, float]:
@@ -168,8 +172,14 @@ def warm_up(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], 
             if any(k[:2] == where[:2] and k[3] == key for k in suite.slow):
                 suite.slow[(*where, key)] = None
                 continue
+            if (where[0], key) in suite.missing:  # failed at an earlier configuration
+                continue
             limit = max(args.max_call_s, calls.get(FP32, 0.0))
-            out, seconds = (reference, 0.0) if key == FP32 else _timed(candidate, inputs)
+            try:
+                out, seconds = (reference, 0.0) if key == FP32 else _timed(candidate, inputs)
+            except Exception as exc:  # e.g. torch.ao's qnnpack engine has no quantized max_pool3d
+                suite.unavailable(where[0], key, f"{label(key)} fails at run time on {where[0]}: {_reason(exc)}")
+                continue
             if key != FP32:
                 suite.record_sqnr(where[0], key, where[1], sqnr_db(reference, torch.as_tensor(out)))
             if seconds <= 3 * limit or candidate.lazy:
@@ -227,21 +237,29 @@ def profile_if_beaten(candidates: dict[str, Candidate], stats: dict[str, Latency
         suite.profiles.append((*where, candidates[key].label, top_ops(candidates[key], inputs, threads=where[2])))
 
 
+def run_model(name: str, args: argparse.Namespace, suite: Suite) -> None:
+    plan = plan_for(name, args)
+    candidates = build_candidates(name, plan, args, suite)
+    for batch in plan.batches:
+        inputs = example_inputs(name, batch, seed=0)
+        for threads in plan.threads:
+            where = (name, batch, threads)
+            kept, calls = warm_up(candidates, inputs, where, args, suite)
+            stats = measure(kept, inputs, threads, calls, args)
+            suite.record(where, stats)
+            if args.profile and threads == 1:
+                profile_if_beaten(kept, stats, inputs, where, suite)
+            suite.peak_load = max(suite.peak_load, load_1min())
+
+
 def run(args: argparse.Namespace) -> Suite:
     suite = Suite()
     for name in args.models:
-        plan = plan_for(name, args)
-        candidates = build_candidates(name, plan, args, suite)
-        for batch in plan.batches:
-            inputs = example_inputs(name, batch, seed=0)
-            for threads in plan.threads:
-                where = (name, batch, threads)
-                kept, calls = warm_up(candidates, inputs, where, args, suite)
-                stats = measure(kept, inputs, threads, calls, args)
-                suite.record(where, stats)
-                if args.profile and threads == 1:
-                    profile_if_beaten(kept, stats, inputs, where, suite)
-                suite.peak_load = max(suite.peak_load, load_1min())
+        try:  # a long run keeps the tables of every other model when one breaks
+            run_model(name, args, suite)
+        except Exception as exc:
+            traceback.print_exc()
+            suite.note(f"{name}: run aborted: {_reason(exc)}")
     busy = busy_note(suite.peak_load)
     if busy is not None:
         suite.note(busy)

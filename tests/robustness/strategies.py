@@ -26,8 +26,8 @@ DISTRIBUTIONS = ("normal", "uniform", "heavy_tailed", "one_sided")
 
 
 def profile(fraction: float = 1.0) -> settings:
-    """The active hypothesis profile (``HYPOTHESIS_PROFILE``, default ``robustness``; see conftest.py), with
-    ``fraction`` of its examples for the tests that cost more per example."""
+    """The active hypothesis profile (``HYPOTHESIS_PROFILE``, default ``robustness``; see conftest.py), with its
+    number of examples scaled by ``fraction`` (below 1 for costly tests, above 1 for the main property)."""
     base = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "robustness"))
     return settings(base, max_examples=max(1, round(base.max_examples * fraction)), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

@@ -123,6 +123,15 @@ REGRESSIONS = [
     *((ModelSpec((7, 10, 7), (Op("conv", (0,), (6, 1, 1, 0, 1, 1, False)), Op("reshape", (1,), ((6, 70),), "method"),
                               Op("pool", (2,), (kind, 3, 2, 0), "functional")), seed=1469),
        DataSpec("heavy_tailed", 1.0635211985423345, 1, 1, 714)) for kind in ("avg", "max")),
+    # torch's quantized adaptive pools return garbage when one input position feeds several outputs ((N, C, 1)
+    # pooled to 2: -2.3 dB on fbgemm and qnnpack); fixed by pooling such inputs through float (exact there).
+    (ModelSpec((13,), (Op("linear", (0,), (13, False), "functional"), Op("mul", (0, 1), (), "operator"),
+                       Op("reshape", (2,), ((13, 1),), "view"), Op("pool", (3,), ("adaptive", 2, 1, 0), "functional")),
+               seed=1368), DataSpec("heavy_tailed", 35.22674276162508, 0, 2, 511)),
+    # The simulation lost track of int8 values after its first average pool, so a second pool was not rounded
+    # (19.5 dB on every backend).
+    (ModelSpec((6, 3, 5), (Op("linear", (0,), (13, False), "functional"), Op("pool", (1,), ("adaptive", 2, 1, 0)),
+                           Op("pool", (2,), ("avg", 2, 1, 0))), seed=5231), DataSpec("normal", 1.0, 0, 2, 3962)),
 ]
 
 
@@ -133,7 +142,7 @@ def _with_regressions(test: Callable[..., None]) -> Callable[..., None]:
 
 
 @pytest.mark.parametrize("backend", available_backends())
-@profile()
+@profile(fraction=2.0)  # the property this file is for: 50 examples per backend, 4000 when thorough
 @given(spec=model_specs(), data=data_specs(), config=configs())
 @_with_regressions
 def test_int8_matches_its_simulation_or_fxquant_refuses(backend: str, spec: ModelSpec, data: DataSpec,
