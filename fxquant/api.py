@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
 
 from fxquant.auto import convert_auto
 from fxquant.calibration import calibrate, observers_of
@@ -20,6 +21,7 @@ from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError, ConfigError, InputError, TraceError
 from fxquant.islands import lower_islands, prepare_graph, prepare_islands, prepared_islands, wrap_untraceable_root
 from fxquant.kernels.registry import get_backend
+from fxquant.nn.fused import COMPUTE_TYPES
 from fxquant.observers import switch_method
 from fxquant.passes import (
     StatisticsObserver,
@@ -38,6 +40,10 @@ log = logging.getLogger(__name__)
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise InputError(f"expected a torch.nn.Module, got {type(model).__name__}")
+    if not any(isinstance(m, COMPUTE_TYPES) for m in model.modules()) and not _has_functional_layers(model):
+        raise InputError(f"{type(model).__name__} has no Linear or Conv layer, so there is nothing fxquant can run "
+                         "in INT8; quantize a model that has them (ops like ReLU or pooling only run INT8 between "
+                         "them)")
     if model.training:
         raise InputError(f"{type(model).__name__} is in training mode; call model.eval() first (post-training "
                          "quantization folds BatchNorm running statistics and drops dropout)")
@@ -48,6 +54,11 @@ def _check_model(model: nn.Module) -> None:
         if parameter.is_floating_point() and not bool(torch.isfinite(parameter).all()):
             raise InputError(f"parameter {name} holds NaN or Inf values: no scale can represent it; fix the "
                              "checkpoint (or the training run that produced it) first")
+
+
+def _has_functional_layers(model: nn.Module) -> bool:
+    """A model without Linear/Conv modules may still call ``F.linear``/``F.convNd`` on parameters of >= 2 dims."""
+    return any(p.dim() >= 2 for p in model.parameters())
 
 
 def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
@@ -65,9 +76,10 @@ def _describe(inputs: tuple[Any, ...]) -> str:
 
 
 def _run_example(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
+    """Run the traced model once; the output shapes it records (``tensor_meta``) tell later passes tensor ranks."""
     try:
         with torch.no_grad():
-            gm(*example_inputs)
+            ShapeProp(gm).propagate(*example_inputs)
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise InputError(f"the model rejects the example inputs ({_describe(example_inputs)}): {reason}") from exc
@@ -124,7 +136,7 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
                   for v in example_inputs if isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped)
     if not observers_of(gm):  # documented (docs/robustness.md): a no-op, not an error, so all-float fallbacks work
-        log.warning("fxquant: %s has no Linear/Conv layer to quantize (none, or all excluded or untraceable); "
+        log.warning("fxquant: %s has no Linear/Conv layer to quantize (all excluded or untraceable); "
                     "convert() will return it unchanged, in float", type(model).__name__)
     return gm
 

@@ -3,10 +3,8 @@
 ``torch.onnx.export`` (the TorchScript exporter, ``dynamo=False``, when ``onnxscript`` is missing: the dynamo exporter
 needs it) with a dynamic batch axis -> ``onnxruntime.quantization.quantize_static`` fed the shared calibration batches
 -> one ``InferenceSession`` per thread count (``intra_op_num_threads`` is fixed when a session is created), picked
-by ``torch.get_num_threads()`` at call time so the benchmark's thread setting applies to it too. Its worker threads
-do not spin between runs (``session.intra_op.allow_spinning=0``), so they leave the cores to the next candidate.
-ORT's recommended ``quant_pre_process`` step is skipped: its symbolic shape inference fails on the BERT-style
-encoder's reshapes.
+by ``torch.get_num_threads()`` at call time so the benchmark's thread setting applies to it too. ORT's recommended
+``quant_pre_process`` step is skipped: its symbolic shape inference fails on the BERT-style encoder's reshapes.
 The TorchScript exporter records the branch that the example input takes through data-dependent control flow.
 """
 
@@ -63,9 +61,6 @@ class _Sessions:
             options = ort.SessionOptions()
             options.intra_op_num_threads = threads
             options.inter_op_num_threads = 1
-            # ORT's workers spin after a run by default, holding the cores the next candidate of the interleaved
-            # round needs: with 2 threads on 2 cores that slowed every torch row behind it 5-40x.
-            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
             self.sessions[threads] = ort.InferenceSession(self.model_bytes, options,
                                                           providers=["CPUExecutionProvider"])
         feed = {name: x.numpy() for name, x in zip(self.names, inputs, strict=True)}

@@ -24,6 +24,15 @@ def _out_channels(layer: nn.Module) -> int:
     return int(_weight(layer).shape[_out_axis(layer)])
 
 
+def _channels_on_dim_1(layer: nn.Module, node: fx.Node) -> bool:
+    """A Linear's features are its output's last dim, BatchNorm's channels dim 1: they agree only on 2-D outputs,
+    which the recorded shapes (``tensor_meta`` from the example run) must confirm."""
+    if not isinstance(layer, nn.Linear):
+        return True
+    meta = node.meta.get("tensor_meta")
+    return meta is not None and len(getattr(meta, "shape", ())) == 2
+
+
 def _weight(layer: nn.Module) -> torch.Tensor:
     weight = layer.weight
     assert isinstance(weight, torch.Tensor)
@@ -60,9 +69,10 @@ def fold_batchnorm(gm: fx.GraphModule) -> fx.GraphModule:
         layer = modules[str(producer.target)]
         if only_user(producer) is not node or type(layer) not in _FOLDABLE or not bn.track_running_stats:
             continue
-        if bn.num_features != _out_channels(layer):
+        if bn.num_features != _out_channels(layer) or not _channels_on_dim_1(layer, producer):
             continue
-        replace_submodule(gm, str(producer.target), fold_into(layer, bn))
+        modules[str(producer.target)] = fold_into(layer, bn)  # a second BN in a row folds into this one
+        replace_submodule(gm, str(producer.target), modules[str(producer.target)])
         node.replace_all_uses_with(producer)
         gm.graph.erase_node(node)
     return finish(gm)

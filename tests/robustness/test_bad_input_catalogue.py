@@ -7,6 +7,7 @@ add the rest and the "model unchanged" check for all of them.
 
 from __future__ import annotations
 
+import copy
 import logging
 import re
 from collections.abc import Callable
@@ -83,25 +84,19 @@ def test_untraceable_forward_that_reads_a_layers_weight() -> None:
     assert "self.fc.weight" in message and "partial_tracing=False" in message
 
 
-def test_model_without_linear_or_conv_converts_to_itself_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
-    """Documented behaviour, not an error: an all-float result must stay possible (exclude-everything configs,
-    the accuracy-budget fallback)."""
+def test_model_without_linear_or_conv_is_a_clear_error() -> None:
     model = nn.Sequential(nn.ReLU(), nn.Flatten(), nn.Sigmoid()).eval()
-    with caplog.at_level(logging.WARNING, logger="fxquant.api"):
-        prepared = fxquant.prepare(model, (_x(),))
-    assert "has no Linear/Conv layer to quantize" in caplog.text
-    fxquant.calibrate(prepared, [_x()], progress=False)
-    x = _x(5)
-    for backend in available_backends():
-        assert torch.equal(fxquant.convert(prepared, backend=backend)(x), model(x))
-    assert not fxquant.coverage(prepared).layers
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(InputError, match="has no Linear or Conv layer, so there is nothing fxquant can run in INT8"):
+        fxquant.prepare(model, (_x(),))
+    assert model.state_dict().keys() == before.keys()
 
 
 def test_everything_excluded_is_the_same_documented_no_op(caplog: pytest.LogCaptureFixture) -> None:
     model = _Net().eval()
     with caplog.at_level(logging.WARNING, logger="fxquant.api"):
         prepared = fxquant.prepare(model, (_x(),), fxquant.QuantConfig(exclude=("*",)))
-    assert "none, or all excluded" in caplog.text
+    assert "all excluded or untraceable" in caplog.text
     fxquant.calibrate(prepared, [_x()], progress=False)
     x = _x()
     torch.testing.assert_close(fxquant.convert(prepared)(x), model(x))
