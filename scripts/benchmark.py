@@ -21,6 +21,7 @@ import argparse
 import sys
 import time
 import traceback
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from _bench_common import (
 )
 from _bench_common import fp32_candidate as fp32
 
+import fxquant
 from fxquant.errors import FxQuantError
 from fxquant.kernels.registry import available_backends
 from fxquant.models import example_inputs
@@ -127,6 +129,8 @@ def build_candidates(name: str, plan: Plan, args: argparse.Namespace, suite: Sui
         try:  # auto is prepared with QuantConfig(backend="auto"), as a user would; qparams are backend-independent
             source = fxquant_calibrated(workload, "auto") if backend == "auto" else prepared
             candidates[f"fxquant:{backend}"] = fxquant_candidate(source, backend)
+            if backend == "auto":  # its choice is measured at convert time, so it can differ between runs
+                suite.note(f"{name}: fxquant[auto] chose {auto_choices(candidates['fxquant:auto'])}")
         except FxQuantError as exc:
             suite.unavailable(name, f"fxquant:{backend}", f"fxquant[{backend}] does not convert: {exc}")
     for key in plan.peers:
@@ -144,6 +148,11 @@ def build_candidates(name: str, plan: Plan, args: argparse.Namespace, suite: Sui
         print(f"{name}: built {peer.label} in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     suite.qdq.update({(name, k): c.qdq for k, c in candidates.items() if c.qdq is not None})
     return candidates
+
+
+def auto_choices(candidate: Candidate) -> str:
+    layers = Counter(f"{layer.kind} -> {layer.backend}" for layer in fxquant.coverage(candidate.run).layers)
+    return ", ".join(f"{kind} x{count}" for kind, count in layers.most_common())
 
 
 def _reason(exc: Exception) -> str:
