@@ -79,6 +79,7 @@ def _run_example(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
     """Run the traced model once; the output shapes it records (``tensor_meta``) tell later passes tensor ranks."""
     try:
         with torch.no_grad():
+            gm(*example_inputs)  # plain first: ShapeProp prints its own traceback on failure
             ShapeProp(gm).propagate(*example_inputs)
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -148,6 +148,7 @@ def register_peer(cls: P) -> P:
 FP32 = "fp32"
 Where = tuple[str, int, int]  # model, batch, threads
 PEER_MODULES = ("_peers_torch_ao", "_peers_pt2e", "_peers_ort")
+BETWEEN_OPS = "(between ops)"
 
 
 def load_peers() -> dict[str, Peer]:
@@ -184,9 +185,6 @@ def top_ops(candidate: Candidate, inputs: tuple[torch.Tensor, ...], *, threads: 
                     candidate.run(*inputs)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
     return [(e.key, e.self_cpu_time_total / 1e3 / runs, e.count // runs) for e in events]
-
-
-BETWEEN_OPS = "(between ops)"
 
 
 def environment_lines() -> list[str]:

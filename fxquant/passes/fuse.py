@@ -9,7 +9,7 @@ from torch import fx, nn
 
 from fxquant.nn.fused import Fused, add_relu, compute_module
 from fxquant.passes._graph import finish, modules_of, nodes_of, only_user, replace_submodule
-from fxquant.patterns import OpKind, classify, is_relu
+from fxquant.patterns import OpKind, classify, is_mul, is_relu
 
 
 def _clamp_of(node: fx.Node, modules: Mapping[str, nn.Module]) -> tuple[float, float | None, str] | None:
@@ -51,7 +51,7 @@ def fuse_activations(gm: fx.GraphModule) -> fx.GraphModule:
                 replace_submodule(gm, path, modules[path])
                 user.replace_all_uses_with(node)
                 gm.graph.erase_node(user)
-        elif kind is OpKind.BINARY and is_relu(user, modules):
+        elif kind is OpKind.BINARY and not is_mul(node) and is_relu(user, modules):  # relu(a * b) is no add_relu
             with gm.graph.inserting_after(user):
                 fused = gm.graph.call_function(add_relu, tuple(node.args[:2]))
             user.replace_all_uses_with(fused)

@@ -54,12 +54,34 @@ def _assert_unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -
                                       for m in model.modules()), "the user's modules were swapped"
 
 
-def _assert_matches(reference: torch.Tensor, actual: torch.Tensor, floor: float, what: str) -> float:
+def _assert_matches(reference: torch.Tensor, actual: torch.Tensor, floor: float, what: str,
+                    step: float = 0.0) -> float:
+    """SQNR >= ``floor``; or, for an output only a few grid steps large, a difference of at most a tie flip or two:
+    energy <= (1 + n / 100) * ``step``**2 (``step``: the grid of the last quantized value before the output)."""
     assert torch.isfinite(actual).all(), f"{what}: output has NaN/Inf"
     measured = sqnr_db(reference, actual)
+    noise = float((reference.double() - actual.double()).pow(2).sum())
+    ties = (1.0 + reference.numel() / 100) * step**2
     worst = float((reference - actual).abs().max())
-    assert measured >= floor, f"{what}: SQNR {measured:.2f} dB < {floor} dB (max abs error {worst:.4g})"
+    in_steps = f", {worst / step:.2f} output steps" if step else ""
+    assert measured >= floor or noise <= ties, \
+        f"{what}: SQNR {measured:.2f} dB < {floor} dB (max abs error {worst:.4g}{in_steps})"
     return measured
+
+
+def _output_step(fake: torch.fx.GraphModule) -> float:
+    """The largest grid step among the last quantize-dequantize modules on each path to the output."""
+    modules, steps = dict(fake.named_modules()), []
+    pending, seen = list(next(n for n in fake.graph.nodes if n.op == "output").all_input_nodes), set()
+    while pending:
+        node = pending.pop()
+        qp = getattr(modules.get(str(node.target)), "qp", None) if node.op == "call_module" else None
+        if qp is not None:
+            steps.append(float(qp.scale))
+        elif node not in seen:
+            seen.add(node)
+            pending.extend(node.all_input_nodes)
+    return max(steps, default=0.0)
 
 
 def _event(text: str) -> None:
@@ -84,7 +106,7 @@ def check_pipeline(spec: ModelSpec, data: DataSpec, config: fxquant.QuantConfig,
         return
     fake = simulate(prepared, backend)  # first: running ``prepared`` itself would update its observers
     with torch.no_grad():
-        measured = _assert_matches(fake(x), qmodel(x), FLOOR_DB, f"{backend} vs simulation")
+        measured = _assert_matches(fake(x), qmodel(x), FLOOR_DB, f"{backend} vs simulation", _output_step(fake))
         _assert_matches(expected, prepared(x), FLOAT_FLOOR_DB, "prepared vs float model")
     _event("exact" if measured == float("inf") else f">= {10 * int(min(measured, 99) // 10)} dB")
     _assert_unchanged(model, before)
@@ -132,6 +154,12 @@ REGRESSIONS = [
     # (19.5 dB on every backend).
     (ModelSpec((6, 3, 5), (Op("linear", (0,), (13, False), "functional"), Op("pool", (1,), ("adaptive", 2, 1, 0)),
                            Op("pool", (2,), ("avg", 2, 1, 0))), seed=5231), DataSpec("normal", 1.0, 0, 2, 3962)),
+    # Wrong already in float (the prepared model vs the user's): fold_bn folded the second of two BatchNorms in a
+    # row into the original conv, losing the first (7.2 dB); fuse turned relu(a * b) into add_relu(a, b) (-inf dB).
+    (ModelSpec((1, 1), (Op("conv", (0,), (1, 1, 1, 0, 1, 1, False)), Op("bn", (1,), (0,)), Op("bn", (2,), (0,)))),
+     DataSpec(batch=1)),
+    (ModelSpec((4,), (Op("linear", (0,), (4, False)), Op("mul", (0, 1), (), "operator"), Op("act", (2,), ("relu",)))),
+     DataSpec(batch=1)),
 ]
 
 
@@ -197,6 +225,18 @@ def test_hand_written_specs_on_every_backend(spec: ModelSpec, distribution: str)
     for backend in available_backends():
         check_pipeline(spec, DataSpec(distribution, scale=3.0, constant_channels=1, batch=4), fxquant.QuantConfig(),
                        backend)
+
+
+def test_one_tie_flip_in_an_output_a_step_large_is_not_a_failure() -> None:
+    """Found by the thorough profile: heavy-tailed data leaves the output 0 or +-1 step; the reference backend
+    (exact) and the float32 simulation round one conv output tie differently, 12.6 dB by SQNR alone."""
+    spec = ModelSpec((8, 2), (Op("bn", (0,), (691,)), Op("linear", (1,), (20, False)), Op("linear", (2,), (1, False)),
+                              Op("conv", (2,), (8, 1, 1, 0, 1, 2, True)), Op("act", (4,), ("relu",)),
+                              Op("add", (2, 5), (False,), "operator"), Op("pool", (4,), ("adaptive", 2, 1, 0))),
+                     seed=127)
+    for backend in available_backends():
+        check_pipeline(spec, DataSpec("heavy_tailed", 10.0**1.65625, 0, 2, 108),
+                       fxquant.QuantConfig(activation="histogram"), backend)
 
 
 def test_generated_model_traces_without_data_dependent_control_flow() -> None:
