@@ -10,8 +10,8 @@ Default plan: issue 5's models (mlp, resnet18, mobilenetv2 at batch 1 and 32, be
 against every peer, and the rest of the zoo (batch 1 and 8, 1 thread) against torch.ao FX on the engines fxquant
 shares (issue 4). ``--batches``/``--threads``/``--backends``/``--peers`` override the plan for every model.
 
-    python scripts/benchmark.py --profile > /tmp/bench.txt     # the full run: ~25 minutes on 2 cores
-    python scripts/benchmark.py --quick                         # smoke run: < 3 minutes
+    python scripts/benchmark.py --profile > /tmp/bench.txt     # the full run: ~20 minutes on 2 cores
+    python scripts/benchmark.py --quick                         # smoke run: < 1 minute
     python scripts/benchmark.py --models mlp --batches 1 --threads 1 --backends all --peers torch.ao:x86
 """
 
@@ -86,7 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peers", nargs="*", default=None, choices=list(PEERS), metavar="PEER",
                         help=f"peers to time (default: per model; known: {', '.join(PEERS)})")
     parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds of timed rounds per configuration (default 10, or 0.5 with --quick)")
+                        help="seconds of timed rounds per configuration (default 6, or 0.5 with --quick)")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny budget, batch 1, 1 thread")
     parser.add_argument("--max-call-s", type=float, default=2.0,
                         help="time once, not in rounds, a candidate whose call takes longer than this and than FP32")
@@ -95,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calib-batches", type=int, default=4, help="random calibration batches (default 4)")
     parser.add_argument("--calib-batch-size", type=int, default=8, help="samples per calibration batch")
     args = parser.parse_args(argv)
-    args.time_budget = args.time_budget or (0.5 if args.quick else 10.0)
+    args.time_budget = args.time_budget or (0.5 if args.quick else 6.0)
     args.models = args.models or (["mlp", "control_flow"] if args.quick else list(ZOO_MODELS))
     known = available_backends()
     if args.backends == ["all"]:
