@@ -86,7 +86,7 @@ class QuantConfig:
     keep_first_float: bool = False
     keep_last_float: bool = False
     partial_tracing: bool = True
-    smoothquant_alpha: float | None = None
+    smoothquant_alpha: float | str | None = None  # None (off), one alpha in [0, 1], or "auto" (one per layer)
     equalize: bool = False
     bias_correction: bool = False
 
@@ -101,8 +101,10 @@ class QuantConfig:
         _check_activation(self.activation, "QuantConfig")
         alpha = self.smoothquant_alpha
         is_number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
-        if alpha is not None and not (is_number and 0 <= alpha <= 1):
-            raise ConfigError(f"QuantConfig: smoothquant_alpha={alpha!r} must be None (off) or a number in [0, 1]")
+        if alpha is not None and alpha != "auto" and not (is_number and 0 <= alpha <= 1):  # type: ignore[operator]
+            raise ConfigError(f"QuantConfig: smoothquant_alpha={alpha!r} is not valid; use None (off), a number in "
+                              "[0, 1] (one alpha for every layer) or 'auto' (one alpha per layer, chosen on the "
+                              "calibration data)")
         if not isinstance(self.overrides, Mapping):
             raise ConfigError(f"QuantConfig.overrides must map module paths to settings, got {self.overrides!r}")
         for path, settings in self.overrides.items():

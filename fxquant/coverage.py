@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 from torch import fx, nn
 
-from fxquant.islands import WRAPPED
+from fxquant.islands import WRAPPED, SharedQuantize
 from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import COMPUTE_TYPES, Fused
 from fxquant.nn.quantized import DeQuantize, Quantize, _QuantizedWeighted
@@ -16,7 +16,8 @@ from fxquant.state import STATE_KEY, QuantState, quant_state
 
 @dataclass(frozen=True)
 class LayerCoverage:
-    """One Linear/Conv: its path, float class, whether it runs INT8, why not, and on which backend."""
+    """One Linear/Conv: its path, float class, whether it runs INT8, why not (for an INT8 layer: a note such as
+    "float output"), and on which backend."""
 
     path: str
     kind: str
@@ -72,7 +73,8 @@ def _row(gm: fx.GraphModule, node: fx.Node, path: str, state: QuantState) -> Lay
         return None
     kind = type(inner).__name__.removeprefix("Quantized")
     if isinstance(inner, _QuantizedWeighted):
-        return LayerCoverage(path, kind, True, backend=inner.backend.name)
+        note = "float output (from the int32 accumulator)" if getattr(inner, "float_output", False) else ""
+        return LayerCoverage(path, kind, True, note, backend=inner.backend.name)
     observer = next(iter(node.users)) if len(node.users) == 1 else None
     if observer is not None and isinstance(gm.get_submodule(str(observer.target)) if observer.op == "call_module"
                                            else None, Observer):
@@ -108,6 +110,7 @@ def coverage(gm: fx.GraphModule) -> Coverage:
     rows: list[LayerCoverage] = []
     breaks: dict[str, str] = {}
     counts: dict[type[nn.Module], int] = {Quantize: 0, DeQuantize: 0}
+    shared: set[int] = set()  # a quantize shared by sibling islands (SharedQuantize) runs once: counted once
     for graph, prefix, state in _graphs(gm):
         breaks |= {prefix + b.path: f"inside untraceable {_block(prefix + b.path)}: {b.reason} ({b.location})"
                    for b in state.graph_breaks}
@@ -115,7 +118,12 @@ def coverage(gm: fx.GraphModule) -> Coverage:
             if node.op != "call_module":
                 continue
             module = graph.get_submodule(str(node.target))
-            counts[type(module)] = counts.get(type(module), 0) + 1
+            if isinstance(module, SharedQuantize):
+                if id(module) in shared:
+                    continue
+                shared.add(id(module))
+            kind = Quantize if isinstance(module, Quantize) else type(module)
+            counts[kind] = counts.get(kind, 0) + 1
             row = _row(graph, node, prefix + str(node.target), state)
             if row is not None:
                 rows.append(row)

@@ -68,6 +68,9 @@ class FallbackResult:
     trials: list[Trial] = field(default_factory=list)
     chosen: int = 0  # index in ``trials``
     sensitivity: dict[str, float] = field(default_factory=dict)  # isolated SQNR (dB), most sensitive first
+    # the calibrated prepare() the returned model was converted from (with keep_float=float_layers): what an
+    # artifact can record; the CLI writes it to RUN_DIR and scores convert(prepared), which is what RUN_DIR rebuilds
+    prepared: fx.GraphModule | None = field(default=None, repr=False, compare=False)
 
     @property
     def best(self) -> Trial:
@@ -194,6 +197,7 @@ def _refit(model: nn.Module, example: tuple[Any, ...], data: Iterable[Any], sear
     result = search.result
     result.chosen = _choose(result.trials)
     trial = result.best
+    result.prepared = search.prepared
     if not trial.float_layers:
         return convert(search.prepared)
     result.config = replace(result.config, exclude=(*result.config.exclude, *trial.float_layers))
@@ -206,7 +210,7 @@ def _refit(model: nn.Module, example: tuple[Any, ...], data: Iterable[Any], sear
     refit = convert(prepared, keep_float=trial.float_layers)  # see keep_float.py: exclude alone may not suffice
     final = search.evaluate(refit, "final (re-quantized with exclude)", trial.float_layers)
     if final.met_budget or final.metric >= trial.metric:
-        result.chosen = len(result.trials) - 1
+        result.chosen, result.prepared = len(result.trials) - 1, prepared
         return refit
     return convert(search.prepared, keep_float=trial.float_layers)
 

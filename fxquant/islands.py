@@ -4,20 +4,28 @@ When torch.fx cannot trace a block (data-dependent ``if``, unsupported Python), 
 main graph; its children are traced one by one, and each one that traces becomes a prepared GraphModule of its own
 (quantize at its input, dequantize at its output). A child that does not trace either is descended into, down to
 single Linear/Conv layers, so every layer torch.fx can reach is quantized.
+
+Sibling islands often read one value (BERT's query, key and value Linears all read ``hidden_states``): after
+lowering, the input quantizes of siblings with equal qparams become one :class:`SharedQuantize`, which quantizes a
+value once per call of their parent block and hands the same int8 tensor to the other readers.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
+from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import fx, nn
 
 from fxquant.config import QuantConfig
 from fxquant.errors import TraceError
 from fxquant.kernels.base import Backend
 from fxquant.nn.fused import COMPUTE_TYPES
+from fxquant.nn.quantized import Quantize
 from fxquant.passes import (
     equalize_layers,
     fold_batchnorm,
@@ -127,8 +135,54 @@ def prepared_islands(gm: nn.Module) -> dict[str, fx.GraphModule]:
 
 
 def lower_islands(gm: fx.GraphModule, backend: Backend) -> None:
-    """Lower every prepared island inside ``gm`` (in place) to INT8 on ``backend``."""
+    """Lower every prepared island inside ``gm`` (in place) to INT8 on ``backend``, then share the input quantizes
+    of sibling islands (see the module doc)."""
     for path, island in prepared_islands(gm).items():
         lowered = lower_to_int8(island, quant_state(island).config, backend)
         lowered.meta[STATE_KEY] = replace(quant_state(island), stage="converted", backend=backend.name)
         replace_submodule(gm, path, lowered)
+    _share_input_quantizes(gm)
+
+
+class SharedQuantize(Quantize):
+    """One ``Quantize`` called by several sibling islands: while their parent block runs (it resets this at each
+    call), a second reader of the same tensor, not changed in place since (its version counter, where it has one),
+    gets the int8 tensor of the first read. Any other input is quantized afresh, so sharing is always correct."""
+
+    def __init__(self, qp: Any, backend: Backend) -> None:
+        super().__init__(qp, backend)
+        self._last: tuple[weakref.ref, int | None, torch.Tensor] | None = None
+
+    def reset(self, *_: Any) -> None:
+        self._last = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        version = None if torch.is_inference(x) else x._version
+        last = self._last
+        if last is not None and last[0]() is x and last[1] == version:
+            return last[2]
+        out = self.backend.quantize(x, self.qp)
+        self._last = (weakref.ref(x), version, out)
+        return out
+
+
+def _share_input_quantizes(gm: fx.GraphModule) -> None:
+    """Give sibling islands (same parent block) whose placeholders are quantized with equal qparams one
+    :class:`SharedQuantize`, reset by a forward pre-hook on the parent."""
+    groups: dict[tuple[Any, ...], list[tuple[fx.GraphModule, str, Quantize]]] = defaultdict(list)
+    for path, island in gm.named_modules():
+        if island is gm or not isinstance(island, fx.GraphModule) or STATE_KEY not in island.meta:
+            continue
+        for placeholder in island.graph.find_nodes(op="placeholder"):
+            for user in placeholder.users:
+                quantize = island.get_submodule(str(user.target)) if user.op == "call_module" else None
+                if type(quantize) is Quantize:
+                    key = (path.rpartition(".")[0], *quantize.qp.scalar(), quantize.qp.qmin, quantize.qp.qmax)
+                    groups[key].append((island, str(user.target), quantize))
+    for (parent, *_), members in groups.items():
+        if len(members) < 2:
+            continue
+        shared = SharedQuantize(members[0][2].qp, members[0][2].backend)
+        for island, name, _quantize in members:
+            replace_submodule(island, name, shared)
+        gm.get_submodule(parent).register_forward_pre_hook(shared.reset)

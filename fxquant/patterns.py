@@ -5,6 +5,8 @@
   observed output.
 * ``JOIN``: ``torch.cat`` of a list of tensors: int8 when an input is, requantized to an observed output.
 * ``VALUE``: ReLU, max/average pooling: int8 when the input is, output keeps the input's qparams (a backend kernel).
+* ``FIXED``: sigmoid, hardsigmoid, tanh: int8 when the input is, output qparams fixed by the function's range
+  (``value_ops.fixed_qparams``), so no observer (squeeze-excitation gates stay int8 into their multiply).
 * ``STRUCTURAL``: reshapes, indexing, dropout: any tensor, int8 or float, output keeps the qparams.
 * ``META``: ``x.size()``, ``x.dim()``, ``x.shape``: read metadata only; never force a dequantize.
 * ``FLOAT``: everything else; int8 inputs are dequantized first.
@@ -21,7 +23,13 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from fxquant.nn.fused import add_relu, compute_module
-from fxquant.passes.value_ops import POOL_FUNCTIONS, POOL_MODULES
+from fxquant.passes.value_ops import (
+    FIXED_FUNCTIONS,
+    FIXED_METHODS,
+    FIXED_MODULES,
+    POOL_FUNCTIONS,
+    POOL_MODULES,
+)
 
 
 class OpKind(enum.Enum):
@@ -29,6 +37,7 @@ class OpKind(enum.Enum):
     BINARY = "binary"
     JOIN = "join"
     VALUE = "value"
+    FIXED = "fixed"
     STRUCTURAL = "structural"
     META = "meta"
     FLOAT = "float"
@@ -64,6 +73,8 @@ def _classify_module(m: nn.Module) -> OpKind:
         return OpKind.COMPUTE
     if isinstance(m, _VALUE_MODULES):
         return OpKind.VALUE
+    if type(m) in FIXED_MODULES:
+        return OpKind.FIXED
     if isinstance(m, _STRUCTURAL_MODULES):
         return OpKind.STRUCTURAL
     return OpKind.FLOAT
@@ -77,6 +88,8 @@ def _classify_function(node: fx.Node) -> OpKind:
         return OpKind.JOIN
     if target in _VALUE_FUNCTIONS:
         return OpKind.VALUE
+    if target in FIXED_FUNCTIONS:
+        return OpKind.FIXED
     if target in _STRUCTURAL_FUNCTIONS:
         return OpKind.STRUCTURAL
     if target is getattr and len(node.args) > 1 and node.args[1] in _META_ATTRS:
@@ -89,6 +102,8 @@ def _classify_method(node: fx.Node) -> OpKind:
         return OpKind.BINARY
     if node.target in ("relu", "relu_"):
         return OpKind.VALUE
+    if node.target in FIXED_METHODS:
+        return OpKind.FIXED
     if node.target in _STRUCTURAL_METHODS:
         return OpKind.STRUCTURAL
     if node.target in _META_METHODS:

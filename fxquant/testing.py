@@ -3,7 +3,10 @@
 ``simulate(prepared, backend)`` is the float fake-quant model of a calibrated prepared graph: every observer becomes
 a quantize-dequantize with the qparams convert would use on ``backend``, every quantized Linear/Conv computes with
 its fake-quantized weight, every average pool of an int8 value rounds its output to the input's grid (as the INT8
-kernels do). A correct INT8 model matches it to within rounding of each quantized value.
+kernels do), every sigmoid/hardsigmoid/tanh of an int8 value is fake-quantized to its fixed output qparams, and
+the output of a layer that convert lets return float (``fuses_float_output``) is not rounded. A residual add that
+stays float (``passes.float_outputs``) has no observer, so it is float here too. A correct INT8 model matches it to
+within rounding of each quantized value.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import torch
 from torch import fx, nn
 
 from fxquant.api import quant_state
+from fxquant.kernels.base import Backend
 from fxquant.kernels.registry import get_backend
 from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import compute_module
 from fxquant.passes._graph import modules_of, only_user, replace_submodule
-from fxquant.passes.lower import observer_qparams, weight_qparams
+from fxquant.passes.lower import fixed_output_qparams, observer_qparams, weight_qparams
 from fxquant.passes.value_ops import pool_options
 from fxquant.patterns import OpKind, classify, tensor_input
 from fxquant.qparams import QParams, fake_quantize
@@ -48,11 +52,28 @@ def simulate(prepared: fx.GraphModule, backend: str | None = None) -> fx.GraphMo
             layer = compute_module(gm.get_submodule(str(node.target)))
             assert layer is not None
             layer.weight.copy_(fake_quantize(layer.weight, weight_qparams(settings, layer)))
-    _average_pools_on_the_grid(gm, activation_qparams, kernel.pool_rounds_stored_integers)
+    _int8_values_on_the_grid(gm, activation_qparams, kernel)
+    unrounded = _unrounded_observers(prepared, kernel)
     for name, qp in activation_qparams.items():
-        replace_submodule(gm, name, FakeQuantize(qp))
+        replace_submodule(gm, name, nn.Identity() if name in unrounded else FakeQuantize(qp))
     gm.recompile()
     return gm
+
+
+def _unrounded_observers(prepared: fx.GraphModule, kernel: Backend) -> set[str]:
+    """The observers of layer outputs that convert fuses away (``Backend.fuses_conv_add``: a conv summed into the
+    add after it; ``fuses_float_output``: a Linear/Conv read as float, e.g. by a residual add that stays float, see
+    ``passes.float_outputs``): the INT8 model never rounds those values, so neither does the simulation."""
+    if not (kernel.fuses_conv_add or kernel.fuses_float_output):
+        return set()
+    from fxquant.api import convert
+    from fxquant.nn.quantized import QuantizedConvAdd2d
+
+    converted = convert(prepared, backend=kernel.name)
+    fused = {path for path, m in converted.named_modules()
+             if isinstance(m, QuantizedConvAdd2d) or getattr(m, "float_output", False)}
+    observers = (only_user(n) for n in prepared.graph.nodes if n.op == "call_module" and str(n.target) in fused)
+    return {str(observer.target) for observer in observers if observer is not None}
 
 
 class _Centered(nn.Module):
@@ -81,31 +102,44 @@ class _Requantized(nn.Module):
         return (q * float(self.qp.scale)).float()
 
 
-def _average_pools_on_the_grid(gm: fx.GraphModule, activation_qparams: dict[str, QParams], stored: bool) -> None:
-    """Follow int8 values from observers through ReLU, pools and reshapes (as ``lower_to_int8`` does) and run each
-    average pool of one on the integers: its INT8 output keeps the input's qparams, so the mean is rounded to that
-    grid. Pooling the float values instead rounds exact ties (a quarter of 2x2 means) by float error, one step off
-    the kernels, which is most of the signal where values span a few steps."""
+def _int8_values_on_the_grid(gm: fx.GraphModule, activation_qparams: dict[str, QParams], kernel: Backend) -> None:
+    """Follow int8 values from observers through ReLU, pools and reshapes (as ``lower_to_int8`` does); run each
+    average pool of one on the integers, and fake-quantize each sigmoid/tanh of one to its fixed qparams.
+
+    An average pool's INT8 output keeps the input's qparams, so the mean is rounded to that grid. Pooling the float
+    values instead rounds exact ties (a quarter of 2x2 means) by float error, one step off the kernels, which is
+    most of the signal where values span a few steps."""
     modules = modules_of(gm)
     qparams: dict[fx.Node, QParams] = {}
     for node in list(gm.graph.nodes):
         source, kind = tensor_input(node), classify(node, modules)
         if node.op == "call_module" and str(node.target) in activation_qparams:
             qparams[node] = activation_qparams[str(node.target)]
+        elif source in qparams and kind is OpKind.FIXED:
+            qp = fixed_output_qparams(node, modules, kernel)
+            qparams[_wrap(gm, node, None, FakeQuantize(qp))] = qp
         elif source in qparams and kind in (OpKind.VALUE, OpKind.STRUCTURAL):
             qp = qparams[node] = qparams[source]
             pool = pool_options(node, modules) if kind is OpKind.VALUE else None
             if pool is not None and pool[0] != "max":
-                gm.add_submodule(f"centered_{node.name}", _Centered(qp))
-                gm.add_submodule(f"requantized_{node.name}", _Requantized(qp, stored))
-                with gm.graph.inserting_before(node):
-                    centered = gm.graph.call_module(f"centered_{node.name}", (source,))
-                node.replace_input_with(source, centered)
-                with gm.graph.inserting_after(node):
-                    rounded = gm.graph.call_module(f"requantized_{node.name}", (node,))
-                node.replace_all_uses_with(rounded)
-                rounded.args = (node,)
+                rounded = _wrap(gm, node, _Centered(qp), _Requantized(qp, kernel.pool_rounds_stored_integers))
                 qparams[rounded] = qp  # what reads the pool reads this node now
+
+
+def _wrap(gm: fx.GraphModule, node: fx.Node, before: nn.Module | None, after: nn.Module) -> fx.Node:
+    """Put ``before`` on ``node``'s tensor input and ``after`` on its output; returns the ``after`` node."""
+    if before is not None:
+        source = tensor_input(node)
+        assert source is not None
+        gm.add_submodule(f"centered_{node.name}", before)
+        with gm.graph.inserting_before(node):
+            centered = gm.graph.call_module(f"centered_{node.name}", (source,))
+        node.replace_input_with(source, centered)
+    gm.add_submodule(f"requantized_{node.name}", after)
+    with gm.graph.inserting_after(node):
+        wrapped = gm.graph.call_module(f"requantized_{node.name}", (node,))
+    node.replace_all_uses_with(wrapped, delete_user_cb=lambda user: user is not wrapped)
+    return wrapped
 
 
 def assert_sqnr(reference: torch.Tensor, actual: torch.Tensor, floor_db: float, what: str = "output") -> float:

@@ -9,6 +9,7 @@ converted model can be re-lowered to another backend without recalibrating.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -35,6 +36,22 @@ class ConvSpec:
         return self.groups > 1
 
 
+@dataclass(frozen=True)
+class ConvAddQParams:
+    """The qparams of ``conv(a) + accum``: the conv's input, the conv's own output (what a backend that runs the add
+    separately requantizes to), the other addend and the sum."""
+
+    input: QParams
+    conv: QParams
+    accum: QParams
+    out: QParams
+
+
+def same_grid(a: QParams, b: QParams) -> bool:
+    """Whether two per-tensor qparams describe the same integers (scale, zero point and range)."""
+    return a is b or (a.scalar() == b.scalar() and (a.qmin, a.qmax) == (b.qmin, b.qmax))
+
+
 @dataclass
 class PackedWeight:
     """Backend-specific prepacked weights plus the backend that packed them (packing is engine-bound)."""
@@ -57,6 +74,14 @@ class Backend(ABC):
     # Average pools round a mean half to even: of ``q - zero_point`` (False), or of the stored ``q`` (True: torch's
     # quantized kernels); the two differ on exact ties (a quarter of 2x2 means) when the zero point is odd.
     pool_rounds_stored_integers: ClassVar[bool] = False
+    # Whether ``conv_add`` runs conv and add as one kernel (one rounding, no int8 round trip between them): convert
+    # fuses a conv into the add it feeds only then; other backends keep their own add kernel.
+    fuses_conv_add: ClassVar[bool] = False
+    # Whether ``linear_to_float`` (``conv_to_float``) returns the layer's float result unrounded (Inductor's float
+    # output): convert then drops the dequantize after a Linear (Conv) whose only user is float code (BERT's q/k/v
+    # and GELU inputs, the FFN output feeding a float residual add).
+    fuses_float_output: ClassVar[bool] = False
+    fuses_float_conv_output: ClassVar[bool] = False
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Backend:
         return self  # backends are stateless shared instances; copying a model must not copy them
@@ -96,6 +121,27 @@ class Backend(ABC):
     def add(self, a: torch.Tensor, b: torch.Tensor, qa: QParams, qb: QParams, qout: QParams, *,
             relu: bool) -> torch.Tensor: ...
 
+    def linear_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+                        relu: bool) -> torch.Tensor:
+        """A Linear whose output only feeds float code, as a float tensor. This default rounds it to ``out_qp``
+        and dequantizes; backends with ``fuses_float_output`` skip the rounding."""
+        return self.dequantize(self.linear(a, packed, in_qp, out_qp, relu=relu), out_qp)
+
+    def conv_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+                      relu: bool) -> torch.Tensor:
+        """``linear_to_float`` for a Conv (same default: round to ``out_qp``, then dequantize)."""
+        return self.dequantize(self.conv(a, packed, in_qp, out_qp, relu=relu), out_qp)
+
+    def conv_add(self, a: torch.Tensor, packed: PackedWeight, accum: torch.Tensor, qps: ConvAddQParams, *,
+                 relu: bool) -> torch.Tensor:
+        """``conv(a) + accum`` (then ReLU) requantized to ``qps.out``; the residual join of ResNet-like blocks.
+
+        A fusing backend may overwrite ``accum`` (oneDNN sums into it in place): callers pass a tensor nothing reads
+        afterwards. This default requantizes the conv output to ``qps.conv`` first, then adds.
+        """
+        conv_out = self.conv(a, packed, qps.input, qps.conv, relu=False)
+        return self.add(conv_out, accum, qps.conv, qps.accum, qps.out, relu=relu)
+
     @abstractmethod
     def relu(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
         """ReLU on an int8 activation; the output keeps ``qp``."""
@@ -122,8 +168,18 @@ class Backend(ABC):
         """Element-wise product; this default computes in float between a dequantize and a quantize."""
         return self.quantize(self.dequantize(a, qa) * self.dequantize(b, qb), qout)
 
+    def fixed_range(self, a: torch.Tensor, function: str, qa: QParams, qout: QParams) -> torch.Tensor:
+        """``function`` ("sigmoid", "hardsigmoid" or "tanh") of an int8 value, quantized to ``qout`` (the qparams of
+        the function's range); this default computes in float between a dequantize and a quantize."""
+        functions: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+            "sigmoid": torch.sigmoid, "tanh": torch.tanh, "hardsigmoid": torch.nn.functional.hardsigmoid}
+        return self.quantize(functions[function](self.dequantize(a, qa)), qout)
+
     def cat(self, values: list[torch.Tensor], qps: list[QParams], qout: QParams, dim: int) -> torch.Tensor:
-        """Concatenation requantized to ``qout``; this default goes through float."""
+        """Concatenation requantized to ``qout``; this default goes through float, unless every input is on
+        ``qout``'s grid already (convert gives a cat's inputs its qparams where it can): then it is a copy."""
+        if all(same_grid(qp, qout) for qp in qps):
+            return torch.cat(values, dim)
         return self.quantize(torch.cat([self.dequantize(v, qp) for v, qp in zip(values, qps, strict=True)], dim), qout)
 
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,

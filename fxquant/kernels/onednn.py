@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from fxquant.cpu import has_vnni
 from fxquant.errors import BackendUnavailableError
-from fxquant.kernels.base import ConvSpec, PackedWeight
+from fxquant.kernels.base import ConvAddQParams, ConvSpec, PackedWeight
 from fxquant.kernels.plain_int8 import PlainInt8Backend, weight_scale
 from fxquant.kernels.registry import register_backend
 from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
@@ -61,6 +61,7 @@ class OnednnWeight:
     bias: torch.Tensor | None
     spec: ConvSpec | None = None
     kernel: tuple[int, ...] = ()
+    out_channels: int = 0
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
         # The packed tensor is opaque (no storage to copy) and never modified after packing, so copies share it.
@@ -77,7 +78,7 @@ def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | Non
     scale = weight_scale(w_qp, weight).contiguous()
     float_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
     zero_point = torch.zeros(scale.shape, dtype=torch.int64)
-    return OnednnWeight(packed, scale, zero_point, float_bias, spec, tuple(weight.shape[2:]))
+    return OnednnWeight(packed, scale, zero_point, float_bias, spec, tuple(weight.shape[2:]), int(weight.shape[0]))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -105,6 +106,38 @@ def _safe_input(a: torch.Tensor, w: OnednnWeight, zero_point: int) -> tuple[torc
     return a, padding, one_column
 
 
+def _out_shape(a: torch.Tensor, w: OnednnWeight, padding: list[int]) -> tuple[int, ...]:
+    """The conv output's shape; ``accum`` must match it exactly (the sum post-op does not broadcast)."""
+    assert w.spec is not None
+    sizes = [(size + 2 * pad - dil * (k - 1) - 1) // stride + 1 for size, k, stride, pad, dil in
+             zip(a.shape[2:], w.kernel, w.spec.stride, padding, w.spec.dilation, strict=True)]
+    return (a.shape[0], w.out_channels, *sizes)
+
+
+@functools.cache
+def _has_uint8_max_pool() -> bool:
+    """Whether this torch has ``quantized::max_pool2d`` (it may leave with the quantized dtypes one day)."""
+    try:
+        torch.ops.quantized.max_pool2d  # noqa: B018  (resolving the op is the check)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def _pool2d_arguments(dim: int, kwargs: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int], bool]:
+    """``F.max_poolNd`` keyword arguments (dim 1 or 2) as ``quantized::max_pool2d``'s positional ones; 1-d pools
+    run over a height of one."""
+    def pair(value: Any, default: int) -> list[int]:
+        value = default if value is None else value
+        values = [value] * dim if isinstance(value, int) else list(value)
+        return [default] * (2 - dim) + values if dim == 1 else values
+
+    kernel = pair(kwargs["kernel_size"], 1)
+    stride = pair(kwargs.get("stride") or kwargs["kernel_size"], 1)
+    return (kernel, stride, pair(kwargs.get("padding"), 0), pair(kwargs.get("dilation"), 1),
+            bool(kwargs.get("ceil_mode", False)))
+
+
 def _within(out: torch.Tensor, qp: QParams) -> torch.Tensor:
     """oneDNN saturates to [0, 255]; narrower ranges (7-bit activations for fbgemm) need one more clamp."""
     if (qp.qmin, qp.qmax) == UINT8_RANGE:
@@ -117,6 +150,10 @@ class OnednnBackend(PlainInt8Backend):
     """x86 oneDNN kernels (VNNI, AMX) on plain int8 tensors; element-wise ops run in float32 for speed."""
 
     elementwise_dtype = torch.float32
+    channels_last = True
+    fuses_conv_add = True
+    fuses_float_output = True
+    fuses_float_conv_output = True
     fallback = "reference"  # same plain-uint8 activations: a layer oneDNN cannot run (conv3d) needs no conversion
 
     @classmethod
@@ -145,6 +182,16 @@ class OnednnBackend(PlainInt8Backend):
             "relu" if relu else "none", [], "",
         )
         return _within(out, out_qp)
+
+    def linear_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+                        relu: bool) -> torch.Tensor:
+        # output_dtype float32 with scale 1 / zero point 0: the float result, no uint8 write and dequantize
+        w: OnednnWeight = packed.payload
+        x_scale, x_zp = in_qp.scalar()
+        return torch.ops.onednn.qlinear_pointwise(
+            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, 1.0, 0, torch.float32,
+            "relu" if relu else "none", [], "",
+        )
 
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
@@ -175,3 +222,53 @@ class OnednnBackend(PlainInt8Backend):
             list(spec.dilation), spec.groups, out_scale, out_zp, torch.uint8, "relu" if relu else "none", [], "",
         )
         return _within(out[..., :1] if one_column else out, out_qp)
+
+    def conv_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+                      relu: bool) -> torch.Tensor:
+        """``qconv_pointwise`` with ``output_dtype`` float32, scale 1, zero point 0: the unrounded float result."""
+        w: OnednnWeight = packed.payload
+        x_scale, x_zp = in_qp.scalar()
+        a, padding, one_column = _safe_input(a, w, x_zp)
+        if a.dim() == 4:
+            a = a.contiguous(memory_format=torch.channels_last)
+        spec = w.spec
+        assert spec is not None
+        out = torch.ops.onednn.qconv_pointwise(
+            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, list(spec.stride), padding,
+            list(spec.dilation), spec.groups, 1.0, 0, torch.float32, "relu" if relu else "none", [], "",
+        )
+        return out[..., :1] if one_column else out
+
+    def conv_add(self, a: torch.Tensor, packed: PackedWeight, accum: torch.Tensor, qps: ConvAddQParams, *,
+                 relu: bool) -> torch.Tensor:
+        """``qconv2d_pointwise.binary`` with the ``sum`` post-op: oneDNN adds ``accum`` to the float conv result
+        and rounds once, writing into ``accum`` (channels-last uint8 of the output's shape). Shapes the fused op
+        does not take (conv1d, the one-column workaround) run as conv then add."""
+        w: OnednnWeight = packed.payload
+        assert w.spec is not None, "conv_add() got weights packed by prepack_linear()"
+        (x_scale, x_zp), (out_scale, out_zp) = qps.input.scalar(), qps.out.scalar()
+        safe, padding, one_column = _safe_input(a, w, x_zp)
+        if safe.dim() != 4 or one_column or accum.dtype != torch.uint8 or accum.shape != _out_shape(safe, w, padding):
+            return super().conv_add(a, packed, accum, qps, relu=relu)
+        a = safe.contiguous(memory_format=torch.channels_last)
+        accum = accum.contiguous(memory_format=torch.channels_last)
+        acc_scale, acc_zp = qps.accum.scalar()
+        spec = w.spec
+        out = torch.ops.onednn.qconv2d_pointwise.binary(
+            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, accum, w.bias, list(spec.stride), padding,
+            list(spec.dilation), spec.groups, out_scale, out_zp, torch.uint8, acc_scale, acc_zp, "sum", 1.0,
+            "relu" if relu else "none", [], "",
+        )
+        return _within(out, qps.out)
+
+    def max_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:
+        """``quantized::max_pool2d`` takes plain uint8 (no quantized dtype) and is ~100x faster on channels-last
+        input than aten's uint8 max-pool, which runs contiguous only (see ``PlainInt8Backend.max_pool``)."""
+        if dim == 3 or a.dtype != torch.uint8 or not _has_uint8_max_pool():
+            return super().max_pool(a, qp, dim, kwargs)
+        x = a.unsqueeze(-2) if dim == 1 else a
+        batched = x.dim() == 4
+        x = (x if batched else x.unsqueeze(0)).contiguous(memory_format=torch.channels_last)
+        out = torch.ops.quantized.max_pool2d(x, *_pool2d_arguments(dim, kwargs))
+        out = out if batched else out.squeeze(0)
+        return out.squeeze(-2) if dim == 1 else out

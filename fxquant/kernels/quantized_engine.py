@@ -9,16 +9,19 @@ prepacked (a packed weight remembers its engine), then restored.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from fxquant.cpu import has_vnni
-from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
+from fxquant.kernels.base import Backend, ConvSpec, PackedWeight, same_grid
 from fxquant.kernels.registry import register_backend
 from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 
@@ -76,11 +79,71 @@ def _within(y: torch.Tensor, qp: QParams) -> torch.Tensor:
 def _canonical(a: torch.Tensor) -> torch.Tensor:
     """``a`` with the strides torch's quantized pools expect. They misread a tensor that is channels-last by its
     flags but not by its strides (a batch of one reshaped from a channels-last conv output: 42-66 steps off,
-    measured with torch 2.13), so anything but canonical contiguous or channels-last strides is copied."""
-    formats = [torch.contiguous_format, *([torch.channels_last] if a.dim() == 4 else [])]
-    if any(a.stride() == torch.empty(a.shape, memory_format=f, device="meta").stride() for f in formats):
+    measured with torch 2.13), so anything but canonical contiguous or channels-last strides (for 3-d tensors: the
+    (N, L, C) layout conv1d returns) is copied."""
+    stride, shape = a.stride(), a.shape
+    if stride == _dense_strides(shape, range(a.dim())):
+        return a
+    if a.dim() in (3, 4) and stride == _dense_strides(shape, (0, *range(2, a.dim()), 1)):  # channels last
         return a
     return a.contiguous()
+
+
+def _dense_strides(shape: torch.Size, order: Any) -> tuple[int, ...]:
+    """The strides of a dense tensor of ``shape`` whose dims are laid out in ``order`` (outermost first), as
+    ``torch.empty`` gives them; computed, not allocated: this runs before every pool."""
+    strides, step = [0] * len(shape), 1
+    for dim in reversed(tuple(order)):
+        strides[dim] = step
+        step *= shape[dim]
+    return tuple(strides)
+
+
+# The kernels' own output qparams for these functions on quint8 (scale, zero point): fixed by the function's range.
+_FIXED_KERNELS: dict[str, tuple[Any, float, int]] = {
+    "sigmoid": (torch.sigmoid, 1 / 256, 0), "hardsigmoid": (F.hardsigmoid, 1 / 256, 0),
+    "tanh": (torch.tanh, 2 / 256, 128),
+}
+
+
+@dataclass(frozen=True)
+class _Transposed:
+    """A packed transposed conv. ``patches``: run as a Linear to one kernel-sized output patch per input position
+    (``kernel`` == stride, no padding), ``keep`` output channels of a kernel packed with extra zero channels."""
+
+    dim: int
+    packed: Any
+    patches: tuple[int, ...] = ()
+    keep: int = 0
+
+
+def _direct_conv_path(weight: torch.Tensor, spec: ConvSpec) -> bool:
+    """Whether fbgemm runs this transposed conv with its direct kernel, which is wrong in torch 2.13: it writes input
+    row ``i`` to output row ``i`` instead of ``i * stride`` and mixes the images of a batch (measured 100+ steps off
+    on most outputs). Its condition (fbgemm's ``takeDirectConvPath``, matched case by case in
+    ``tests/kernels/test_fbgemm_qnnpack_pitfalls.py``): 2-d, groups 1, input and output channels multiples of 8,
+    kernel height 2 and width <= 6, strides 1 or 2, no padding, dilation 1."""
+    kernel = weight.shape[2:]
+    return (spec.dim == 2 and spec.groups == 1 and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0
+            and kernel[0] == 2 and kernel[1] <= 6 and all(s in (1, 2) for s in spec.stride)
+            and not any(spec.padding) and all(d == 1 for d in spec.dilation))
+
+
+def _as_patches(weight: torch.Tensor, spec: ConvSpec) -> bool:
+    """A transposed conv whose kernel equals its stride writes one separate kernel-sized patch per input position:
+    a Linear (C_in -> kernel * C_out) then depth-to-space, faster than either transposed kernel (U-Net upsamplers)."""
+    return (tuple(weight.shape[2:]) == spec.stride and spec.groups == 1 and not any(spec.padding)
+            and not any(spec.output_padding) and all(d == 1 for d in spec.dilation))
+
+
+def _run_patches(a: torch.Tensor, t: _Transposed, scale: float, zp: int) -> torch.Tensor:
+    """Linear over channels (a channels-last input needs no copy), then the patches put in place, channels-last."""
+    out = _q.linear(a.movedim(1, -1), t.packed, scale, zp)  # (N, *size, *kernel, C_out)
+    n, size, channels = a.shape[0], a.shape[2:], out.shape[-1] // math.prod(t.patches)
+    if t.dim == 1:
+        return out.reshape(n, size[0] * t.patches[0], channels).movedim(-1, 1)
+    out = out.reshape(n, size[0], size[1], t.patches[0], t.patches[1], channels).transpose(2, 3)
+    return out.reshape(n, size[0] * t.patches[0], size[1] * t.patches[1], channels).movedim(-1, 1)
 
 
 class _QuantizedDtypeBackend(Backend):
@@ -96,7 +159,8 @@ class _QuantizedDtypeBackend(Backend):
 
     def quantize(self, x: torch.Tensor, qp: QParams) -> torch.Tensor:
         scale, zp = qp.scalar()
-        return _within(torch.quantize_per_tensor(x.float(), scale, zp, torch.quint8), qp)
+        x = x if x.dtype == torch.float32 else x.float()  # skips a dispatched no-op ``to`` per call
+        return _within(torch.quantize_per_tensor(x, scale, zp, torch.quint8), qp)
 
     def dequantize(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
         return a.dequantize()
@@ -139,21 +203,38 @@ class _QuantizedDtypeBackend(Backend):
         return _within(_q.mul(a, b, scale, zp), qout)
 
     def cat(self, values: list[torch.Tensor], qps: list[QParams], qout: QParams, dim: int) -> torch.Tensor:
+        if all(same_grid(qp, qout) for qp in qps):  # inputs already on the output's grid: torch.cat copies
+            return torch.cat(values, dim)
         scale, zp = qout.scalar()
         return _within(_q.cat(values, dim, scale, zp), qout)
 
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
                                spec: ConvSpec) -> PackedWeight:
+        if _as_patches(weight, spec) and w_qp.axis is None:
+            patches = weight.movedim(0, -1).movedim(0, -2)  # (*kernel, C_out, C_in): output rows in patch order
+            tiled = None if bias is None else bias.detach().float().repeat(math.prod(spec.stride))
+            with quantized_engine(self.engine):
+                packed = _q.linear_prepack(_weight_tensor(patches.reshape(-1, weight.shape[0]), w_qp), tiled)
+            return PackedWeight(self.name, _Transposed(spec.dim, packed, patches=spec.stride))
+        keep = 0
+        if self.engine == "fbgemm" and _direct_conv_path(weight, spec):
+            # one zero output channel more steers fbgemm to its correct im2col kernel; the extra channel is dropped
+            keep = weight.shape[1]
+            weight = torch.cat([weight, weight.new_zeros(weight.shape[0], 1, *weight.shape[2:])], 1)
+            bias = None if bias is None else torch.cat([bias.detach().float(), bias.new_zeros(1)])
         prepack = _q.conv_transpose1d_prepack if spec.dim == 1 else _q.conv_transpose2d_prepack
         with quantized_engine(self.engine):
             payload = prepack(_weight_tensor(weight, w_qp), bias, list(spec.stride), list(spec.padding),
                               list(spec.output_padding), list(spec.dilation), spec.groups)
-        return PackedWeight(self.name, (spec.dim, payload))
+        return PackedWeight(self.name, _Transposed(spec.dim, payload, keep=keep))
 
     def conv_transpose(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams) -> torch.Tensor:
-        dim, payload = packed.payload
+        t: _Transposed = packed.payload
         scale, zp = out_qp.scalar()
-        return _within((_q.conv_transpose1d if dim == 1 else _q.conv_transpose2d)(a, payload, scale, zp), out_qp)
+        if t.patches:
+            return _within(_run_patches(a, t, scale, zp), out_qp)
+        out = (_q.conv_transpose1d if t.dim == 1 else _q.conv_transpose2d)(a, t.packed, scale, zp)
+        return _within(out[:, :t.keep] if t.keep else out, out_qp)
 
     def adaptive_avg_pool(self, a: torch.Tensor, qp: QParams, output_size: Any) -> torch.Tensor:
         fn = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}[a.dim()]
@@ -168,34 +249,70 @@ class _QuantizedDtypeBackend(Backend):
         return fn(_canonical(a), **kwargs)
 
     def max_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:
+        if dim == 1:  # torch's quantized 1-d pool reads the (N, L, C)-strided conv1d outputs as they are: no copy
+            return F.max_pool1d(_canonical(a), **kwargs)
         return super().max_pool(_canonical(a), qp, dim, kwargs)
+
+    def fixed_range(self, a: torch.Tensor, function: str, qa: QParams, qout: QParams) -> torch.Tensor:
+        fn, scale, zp = _FIXED_KERNELS[function]
+        if qout.scalar() != (scale, zp):  # a narrower range (7-bit activations) than the kernel's own output
+            return super().fixed_range(a, function, qa, qout)
+        return fn(a)
+
+
+@functools.cache
+def _onednn() -> Backend | None:
+    """The oneDNN backend where this torch build has it (it runs fbgemm's float-output Linears), else None."""
+    from fxquant.kernels.registry import get_backend
+
+    backend = get_backend("onednn")
+    return backend if backend.is_available() else None
+
+
+def _onednn_weight(packed: PackedWeight, backend: Backend) -> PackedWeight:
+    """``packed``'s weight repacked for oneDNN, once (kept on ``packed``; only float-output Linears need it)."""
+    repacked = getattr(packed, "_onednn", None)
+    if repacked is None:
+        weight, bias = packed.payload.unpack()
+        if weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
+            scale, zero_point = weight.q_per_channel_scales().float(), weight.q_per_channel_zero_points()
+            w_qp = QParams(scale, zero_point, -128, 127, axis=0)
+        else:
+            w_qp = QParams(torch.tensor(weight.q_scale()), torch.tensor(weight.q_zero_point()), -128, 127)
+        repacked = backend.prepack_linear(weight.int_repr(), w_qp, bias)
+        packed._onednn = repacked  # type: ignore[attr-defined]
+    return repacked
 
 
 @register_backend("fbgemm")
 class FbgemmBackend(_QuantizedDtypeBackend):
     """x86 server kernels. Without VNNI (and always for grouped convs) u8*s8 pairs sum in 16 bits, so
-    activations that feed them use 7 bits to avoid silent saturation."""
+    activations that feed them use 7 bits to avoid silent saturation.
+
+    Float outputs (``linear_to_float``): fbgemm's own float-output Linear
+    (``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``) saturates 16-bit pair sums on 8-bit inputs
+    (measured up to ~96 accumulator steps off at 1024x256x64 on a VNNI CPU; exact with 7-bit inputs), so
+    ``linear_to_float`` runs oneDNN's ``qlinear_pointwise`` with a float output on the same integers, where torch
+    has it: exact within float rounding and 1.7-3.5x faster than requantize plus dequantize at BERT shapes. It is
+    not the default (``fuses_float_output`` stays False): ``torch.jit.trace`` cannot take that op, and a traced
+    (exported) model must compute what the eager one does. A model converted for ``onednn`` and re-lowered here
+    uses it; convs keep requantize plus dequantize.
+    """
 
     engine = "fbgemm"
+
+    def linear_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+                        relu: bool) -> torch.Tensor:
+        onednn = _onednn()
+        if onednn is None or torch.jit.is_tracing():  # TorchScript export cannot take the oneDNN op's arguments:
+            return super().linear_to_float(a, packed, in_qp, out_qp, relu=relu)  # exported, it rounds as before
+        integers = a.int_repr() if a.is_quantized else a
+        return onednn.linear_to_float(integers, _onednn_weight(packed, onednn), in_qp, out_qp, relu=relu)
 
     def activation_qrange(self, *, feeds_grouped_conv: bool) -> tuple[int, int]:
         if feeds_grouped_conv or not has_vnni():
             return REDUCED_UINT8_RANGE
         return UINT8_RANGE
-
-    def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
-                               spec: ConvSpec) -> PackedWeight:
-        """fbgemm's own transposed-conv prepack corrupts the weights in torch 2.13 (measured: error 8.1 on outputs
-        of range 2.4); a qnnpack-packed weight runs on the same quint8 tensors and is correct."""
-        if "qnnpack" not in torch.backends.quantized.supported_engines:
-            return Backend.prepack_conv_transpose(self, weight, w_qp, bias, spec)
-        packed = QnnpackBackend.prepack_conv_transpose(_qnnpack(), weight, w_qp, bias, spec)
-        return PackedWeight(self.name, packed.payload)
-
-    def conv_transpose(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams) -> torch.Tensor:
-        if isinstance(packed.payload[0], ConvSpec):  # the float fallback's payload
-            return Backend.conv_transpose(self, a, packed, in_qp, out_qp)
-        return super().conv_transpose(a, packed, in_qp, out_qp)
 
 
 @register_backend("qnnpack")
@@ -207,11 +324,3 @@ class QnnpackBackend(_QuantizedDtypeBackend):
 
     def relu(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
         return torch.relu(a.contiguous())
-
-
-def _qnnpack() -> QnnpackBackend:
-    from fxquant.kernels.registry import get_backend
-
-    backend = get_backend("qnnpack")
-    assert isinstance(backend, QnnpackBackend)
-    return backend

@@ -20,13 +20,14 @@ Why the accumulators are exact:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from fxquant.kernels.base import ConvSpec, PackedWeight
-from fxquant.kernels.plain_int8 import PlainInt8Backend, requantize, weight_scale
+from fxquant.kernels.base import ConvAddQParams, ConvSpec, PackedWeight
+from fxquant.kernels.plain_int8 import PlainInt8Backend, centered, requantize, weight_scale
 from fxquant.kernels.registry import register_backend
 from fxquant.qparams import QParams
 
@@ -92,14 +93,24 @@ def _channels_first(t: torch.Tensor, acc: torch.Tensor, channel_dim: int) -> tor
     return t.reshape(-1, *([1] * (acc.dim() - 1 - channel_dim)))
 
 
-def finish(acc: torch.Tensor, w: IntegerWeight, in_qp: QParams, out_qp: QParams, *, relu: bool) -> torch.Tensor:
-    """Add the int32-quantized bias to the accumulator and requantize it to ``out_qp``."""
+def output_steps(acc: torch.Tensor, w: IntegerWeight, in_qp: QParams, out_qp: QParams) -> torch.Tensor:
+    """The accumulator plus the int32-quantized bias, in units of ``out_qp``'s step (float64, not yet rounded)."""
     channel_dim = acc.dim() - 1 if w.spec is None else 1
     acc_scale = float(in_qp.scale) * w.scale
     if w.bias is not None:
         acc = acc + _channels_first(torch.round(w.bias / acc_scale), acc, channel_dim)
-    multiplier = _channels_first(acc_scale / float(out_qp.scale), acc, channel_dim)
-    return requantize(acc, multiplier, out_qp, relu=relu)
+    return acc * _channels_first(acc_scale / float(out_qp.scale), acc, channel_dim)
+
+
+def finish(acc: torch.Tensor, w: IntegerWeight, in_qp: QParams, out_qp: QParams, *, relu: bool) -> torch.Tensor:
+    """Add the int32-quantized bias to the accumulator and requantize it to ``out_qp``."""
+    return requantize(output_steps(acc, w, in_qp, out_qp), 1.0, out_qp, relu=relu)
+
+
+def _to_float(acc: torch.Tensor, w: IntegerWeight, in_qp: QParams, out_qp: QParams, *, relu: bool) -> torch.Tensor:
+    """``s_x * s_w * (acc + round(bias / (s_x * s_w)))`` in float64, then float32: a layer's output unrounded."""
+    real = output_steps(acc, w, in_qp, out_qp) * float(out_qp.scale)
+    return (real.clamp_(min=0) if relu else real).float()
 
 
 @register_backend("reference")
@@ -107,6 +118,8 @@ class ReferenceBackend(PlainInt8Backend):
     """Slow, exact and dependency-free: the backend every other one is tested against (within one int8 step)."""
 
     int32_accumulator = False  # long rows switch to float64 (see the module doc), so no layer can overflow
+    fuses_conv_add = True  # the single-rounding conv + add that fusing backends are checked against
+    fuses_float_output = fuses_float_conv_output = True  # and the unrounded float Linear/Conv
 
     def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> PackedWeight:
         return PackedWeight(self.name, _integer_weight(weight, w_qp, bias, None))
@@ -116,6 +129,12 @@ class ReferenceBackend(PlainInt8Backend):
         w: IntegerWeight = packed.payload
         acc = integer_linear(a, int(in_qp.zero_point), w.weight)
         return finish(acc, w, in_qp, out_qp, relu=relu)
+
+    def linear_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+                        relu: bool) -> torch.Tensor:
+        """The exact accumulator (plus the int32-rounded bias) times its scale, not rounded to ``out_qp``."""
+        w: IntegerWeight = packed.payload
+        return _to_float(integer_linear(a, int(in_qp.zero_point), w.weight), w, in_qp, out_qp, relu=relu)
 
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
@@ -128,6 +147,39 @@ class ReferenceBackend(PlainInt8Backend):
         acc = integer_conv(a, int(in_qp.zero_point), w.weight, w.spec)
         return finish(acc, w, in_qp, out_qp, relu=relu)
 
+    def conv_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+                      relu: bool) -> torch.Tensor:
+        """``linear_to_float`` for a Conv: the exact accumulator plus bias, times its scale, unrounded."""
+        w: IntegerWeight = packed.payload
+        assert w.spec is not None, "conv_to_float() got weights packed by prepack_linear()"
+        acc = integer_conv(a, int(in_qp.zero_point), w.weight, w.spec)
+        return _to_float(acc, w, in_qp, out_qp, relu=relu)
+
+    def conv_add(self, a: torch.Tensor, packed: PackedWeight, accum: torch.Tensor, qps: ConvAddQParams, *,
+                 relu: bool) -> torch.Tensor:
+        """The conv accumulator and the other addend summed in output steps and rounded once (float64: every
+        term is an integer times a scale ratio, so only that final rounding is inexact)."""
+        w: IntegerWeight = packed.payload
+        assert w.spec is not None, "conv_add() got weights packed by prepack_linear()"
+        total = output_steps(integer_conv(a, int(qps.input.zero_point), w.weight, w.spec), w, qps.input, qps.out)
+        total += centered(accum, qps.accum, torch.float64) * (float(qps.accum.scale) / float(qps.out.scale))
+        return requantize(total, 1.0, qps.out, relu=relu)
+
+    def fixed_range(self, a: torch.Tensor, function: str, qa: QParams, qout: QParams) -> torch.Tensor:
+        """A 256-entry table: the function of every input level in float64, rounded once to ``qout``."""
+        return fixed_range_table(function, qa, qout)[a.long()]
+
+
+_FIXED: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh, "hardsigmoid": F.hardsigmoid}
+
+
+def fixed_range_table(function: str, qa: QParams, qout: QParams) -> torch.Tensor:
+    """``q_out`` for every stored input level ``0 .. qa.qmax``, indexed by the level (activations are uint8)."""
+    levels = torch.arange(0, qa.qmax + 1, dtype=torch.float64)
+    values = _FIXED[function]((levels - int(qa.zero_point)) * float(qa.scale))
+    return requantize(values, 1.0 / float(qout.scale), qout, relu=False)
+
 
 def _integer_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
                     spec: ConvSpec | None) -> IntegerWeight:
@@ -136,4 +188,5 @@ def _integer_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | No
     return IntegerWeight(weight.to(torch.int8), scale, float_bias, spec)
 
 
-__all__ = ["IntegerWeight", "ReferenceBackend", "finish", "integer_conv", "integer_linear"]
+__all__ = ["IntegerWeight", "ReferenceBackend", "finish", "fixed_range_table", "integer_conv", "integer_linear",
+           "output_steps"]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.kernels.base import Backend, ConvAddQParams, ConvSpec
 from fxquant.qparams import QParams
 
 
@@ -89,13 +89,18 @@ class _QuantizedWeighted(_BackendModule):
 
 
 class QuantizedLinear(_QuantizedWeighted):
-    """INT8 ``nn.Linear`` (optionally fused with ReLU)."""
+    """INT8 ``nn.Linear`` (optionally fused with ReLU). With ``float_output`` (set by convert where only float code
+    reads it) it returns a float tensor: ``Backend.linear_to_float``."""
+
+    float_output: bool = False
 
     def relower(self, backend: Backend) -> None:
         super().relower(backend)
         self._packed = backend.prepack_linear(self.weight, self.w_qp, self.bias)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
+        if self.float_output:
+            return self.backend.linear_to_float(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
         return self.backend.linear(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
 
 
@@ -108,13 +113,17 @@ class _QuantizedConvBase(_QuantizedWeighted):
 
 
 class QuantizedConvNd(_QuantizedConvBase):
-    """INT8 ``nn.ConvNd`` (optionally fused with ReLU)."""
+    """INT8 ``nn.ConvNd`` (optionally fused with ReLU); ``float_output`` as for :class:`QuantizedLinear`."""
+
+    float_output: bool = False
 
     def relower(self, backend: Backend) -> None:
         super().relower(backend)
         self._packed = backend.prepack_conv(self.weight, self.w_qp, self.bias, self.spec, in_qp=self.in_qp)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
+        if self.float_output:
+            return self.backend.conv_to_float(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
         return self.backend.conv(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
 
 
@@ -148,6 +157,37 @@ class QuantizedConv2d(QuantizedConvNd):
 
 class QuantizedConv3d(QuantizedConvNd):
     """INT8 ``nn.Conv3d``."""
+
+
+class QuantizedConvAdd2d(QuantizedConv2d):
+    """INT8 ``conv2d(a) + accum`` (optionally then ReLU): a Conv2d whose only user was a residual add, run as one
+    kernel where the backend has one (``Backend.fuses_conv_add``), else as its conv then its add.
+
+    It sits at the conv's module path and keeps the conv's own output qparams, so called with one input it is that
+    Conv2d alone (per-layer reports and ``auto`` time and compare the layer by itself).
+    """
+
+    def __init__(self, conv: QuantizedConvNd, add_qparams: tuple[QParams, QParams], *, relu: bool,
+                 clone_accum: bool) -> None:
+        assert not conv.relu, "a conv with a fused ReLU does not feed an add directly"
+        super().__init__(conv.spec, conv.weight, conv.w_qp, conv.bias, (conv.in_qp, conv.out_qp), relu=conv.relu,
+                         backend=conv.backend)
+        accum_qp, sum_qp = add_qparams
+        self.qps = ConvAddQParams(conv.in_qp, conv.out_qp, accum_qp, sum_qp)
+        self.add_relu = relu
+        self.clone_accum = clone_accum  # the fused kernel may write into accum: copy it when something reads it later
+
+    def forward(self, a: torch.Tensor, accum: torch.Tensor | None = None) -> torch.Tensor:
+        if accum is None:
+            return super().forward(a)
+        if self.clone_accum:
+            accum = accum.clone()
+        return self.backend.conv_add(a, self._packed, accum, self.qps, relu=self.add_relu)
+
+    def extra_repr(self) -> str:
+        scale, zp = self.qps.out.scalar()
+        copy = ", clone_accum=True" if self.clone_accum else ""
+        return f"{super().extra_repr()}, add_relu={self.add_relu}, sum_scale={scale:.4g}, sum_zero_point={zp}{copy}"
 
 
 class QuantizedAdd(_BackendModule):

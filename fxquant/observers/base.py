@@ -8,6 +8,7 @@ parameters *at convert time*, for whatever integer range the chosen kernel needs
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar
 
 import torch
@@ -47,30 +48,52 @@ class Observer(nn.Module):
             self.update(x)
         return x
 
-    @torch.no_grad()
     def update(self, x: torch.Tensor) -> None:
-        """Record the statistics of ``x``; raises ``CalibrationError`` on NaN/Inf and leaves the state untouched."""
+        """Record the statistics of ``x``; raises ``CalibrationError`` on NaN/Inf and leaves the state untouched.
+
+        This runs for every observer on every calibration batch, so it costs one ``aminmax`` over ``x`` plus a
+        handful of scalar ops (NaN/Inf is checked on the two extremes as Python floats: ``aminmax`` propagates NaN,
+        and ``torch.isfinite`` on a 0-d tensor is four dispatched ops).
+        """
         if x.numel() == 0:
             return
-        x = x.detach()
+        if torch.is_grad_enabled() or x.requires_grad:
+            with torch.no_grad():
+                self._record(x.detach())
+        else:
+            self._record(x)
+
+    def _record(self, x: torch.Tensor) -> None:
+        """``update`` without the autograd guard: range, ``_update`` hook, then the running statistics."""
         lo, hi = torch.aminmax(x)
-        if not (torch.isfinite(lo) and torch.isfinite(hi)):
+        self._check_finite(lo.item(), hi.item())
+        self._update(x, lo, hi)
+        self._count(lo, hi, x.numel())
+
+    def _check_finite(self, lo: float, hi: float) -> None:
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise CalibrationError(
                 f"observer {self.label or type(self).__name__} received NaN or Inf values; clean the data or "
                 "pass skip_nonfinite=True to calibrate() to skip such batches"
             )
-        self._update(x, lo, hi)
-        self.min_val.copy_(torch.minimum(self.min_val, lo))
-        self.max_val.copy_(torch.maximum(self.max_val, hi))
-        self.num_updates += 1
-        self.num_elements += x.numel()
+
+    def _count(self, lo: torch.Tensor | float, hi: torch.Tensor | float, elements: int) -> None:
+        """Fold one batch's range into ``min_val``/``max_val`` and count it."""
+        if isinstance(lo, torch.Tensor) and isinstance(hi, torch.Tensor):
+            torch.minimum(self.min_val, lo, out=self.min_val)
+            torch.maximum(self.max_val, hi, out=self.max_val)
+        else:
+            self.min_val.fill_(min(float(lo), float(self.min_val)))
+            self.max_val.fill_(max(float(hi), float(self.max_val)))
+        self.num_updates.add_(1)
+        self.num_elements.add_(elements)
 
     def _update(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         """Hook for statistics beyond the range; called before ``min_val``/``max_val`` are updated."""
 
     @property
     def has_data(self) -> bool:
-        return bool(self.num_updates > 0)
+        return int(self.num_updates) > 0
 
     @torch.no_grad()
     def merge(self, other: Observer) -> None:

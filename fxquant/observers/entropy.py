@@ -1,10 +1,28 @@
-"""``entropy``: TensorRT's KL-divergence calibration, read from the stored histogram.
+"""``entropy``: TensorRT's KL-divergence calibration, following NVIDIA's pytorch-quantization implementation.
 
-For each candidate threshold ``T`` the reference distribution ``P`` is the histogram of ``|x|`` cut at ``T`` with the
-clipped mass added to its last bin; ``Q`` is ``P``'s bins (without the clipped mass) merged into the available
-quantization levels and spread back evenly over the bins that were non-empty. The threshold minimising
-``KL(P || Q)`` is chosen. One-sided data (min >= 0, or max <= 0) uses all 255 levels on its one side and clips only
-the far end; two-sided data uses a symmetric threshold, so 128 levels per side.
+Read from the stored histogram folded to ``|x|`` (:func:`~fxquant.observers.hist_math.fold_abs`). Every candidate
+threshold ``T`` (a whole number of bins, from 128 bins up to the whole histogram) is scored by ``KL(P || Q)``:
+
+* ``P`` is the histogram cut at ``T``, the clipped mass added to its last bin;
+* ``Q`` is ``P``'s bins (without the clipped mass) merged into ``levels`` quantization bins (bin ``j`` in level
+  ``floor(j * levels / T)``) and spread back evenly over the bins that were non-empty.
+
+The largest threshold among the minima is chosen. ``levels`` is 256 for one-sided data (min >= 0, or max <= 0: all
+uint8 levels on one side) and 128 for two-sided data (a symmetric threshold, 128 levels per side): NVIDIA's
+``1 << (num_bits - 1 + unsigned)``. Two details decide the result on real activations:
+
+* The zero spike. As NVIDIA does, the first bin's count (``[0, width)``) is replaced by the second's before
+  scoring. Post-ReLU activations put about half their values exactly at 0; left in, that one bin dominates ``P``,
+  and spreading it over the other bins of its level costs so much divergence that only thresholds leaving bin 0
+  alone in its level (``T`` near ``levels`` bins) look good. Measured on the digits CNN: thresholds collapsed to
+  27-53% of the post-ReLU layers' max, INT8 logit SQNR 10.9 dB against 44.3 dB with minmax (35.9 dB once fixed).
+  0 is exactly representable at any threshold, so the spike says nothing about where to clip.
+* An empty last bin. When ``T`` ends on an empty bin while mass lies beyond it, ``Q`` has nothing where ``P`` has
+  the clipped mass. NVIDIA's divergence is then infinite (scipy's ``entropy``), so a threshold can never fall in
+  the gap below a few isolated outliers, the case clipping exists for. That bin of ``Q`` gets MXNet's and ONNX
+  Runtime's smoothing mass instead, ``_SMOOTHING`` counts: clipping ``c`` of ``N`` values then costs about
+  ``c / N * log(c * S / (N * eps))`` (``S`` the kept mass), small for a few outliers, large for real mass.
+  With no mass below ``T`` at all the divergence stays infinite.
 """
 
 from __future__ import annotations
@@ -15,42 +33,72 @@ from fxquant.observers.hist_math import fold_abs
 from fxquant.observers.histogram import HistogramObserverBase
 from fxquant.observers.registry import register_observer
 
-_ONE_SIDED_LEVELS = 255
+_ONE_SIDED_LEVELS = 256
 _TWO_SIDED_LEVELS = 128
-_COARSE_CANDIDATES = 128  # thresholds scored first; the best is then refined bin by bin
-_SMOOTHING = 1e-4  # Q's value where P has mass but Q has none (MXNet's smoothing), instead of an infinite KL
+START_BIN = 128  # the smallest candidate threshold, in bins (TensorRT's and NVIDIA's)
+SMOOTHING = 1e-4  # counts given to Q's empty last bin when P has clipped mass there (MXNet's / ONNX Runtime's eps)
+_CHUNK = 512  # thresholds scored per vectorised step: bounds the temporaries to ~_CHUNK * levels float64 each
+
+
+def _xlogx(x: torch.Tensor) -> torch.Tensor:
+    return torch.special.xlogy(x, x)
 
 
 def kl_divergences(counts: torch.Tensor, levels: int, thresholds: torch.Tensor) -> torch.Tensor:
-    """``KL(P || Q)`` for each threshold (a number of bins of ``counts``, >= ``levels``), vectorised over thresholds."""
-    n, k = counts.numel(), thresholds.numel()
-    bins = torch.arange(n)[None, :]
-    cut = thresholds[:, None]
-    reference = torch.where(bins < cut, counts[None, :], 0.0)
-    level = torch.div(bins * levels, cut, rounding_mode="floor").clamp(max=levels - 1)
-    flat = (torch.arange(k)[:, None] * levels + level).reshape(-1)
-    nonempty = (reference > 0).double()
-    level_mass = torch.zeros(k * levels, dtype=torch.float64).index_add_(0, flat, reference.reshape(-1))
-    level_bins = torch.zeros(k * levels, dtype=torch.float64).index_add_(0, flat, nonempty.reshape(-1))
-    candidate = (level_mass / level_bins.clamp(min=1.0))[flat].reshape(k, n) * nonempty
-    clipped = counts.sum() - reference.sum(1, keepdim=True)
-    reference = reference.scatter_add(1, cut - 1, clipped)
-    p = reference / reference.sum(1, keepdim=True)
-    q = candidate / candidate.sum(1, keepdim=True).clamp(min=1e-300)
-    q = torch.where((p > 0) & (q == 0), _SMOOTHING, q)
-    return torch.where(p > 0, p * torch.log(p / q), 0.0).sum(1)
+    """``KL(P || Q)`` for each threshold (a number of bins of ``counts``, >= 1), in O(levels) per threshold.
+
+    ``counts`` is used as given (the zero-spike replacement is :func:`best_threshold`'s). Expanded per bin, the
+    divergence is a sum of prefix sums over quantization levels: with ``c`` the counts, ``m`` and ``e`` a level's
+    mass and non-empty bins, ``S`` the mass below ``T`` and ``N`` the total,
+    ``N * KL = sum c log c - S log N + S log S - sum m log(m / e)``, plus the last bin's clipped mass. Every
+    threshold thus costs ``levels`` operations instead of a pass over the bins, and all of them are scored.
+    """
+    counts = counts.double()
+    zero = torch.zeros(1, dtype=torch.float64)
+    mass = torch.cat([zero, counts.cumsum(0)])
+    nonempty = torch.cat([zero, (counts > 0).double().cumsum(0)])
+    entropy_part = torch.cat([zero, _xlogx(counts).cumsum(0)])
+    cut = thresholds.long()
+    edges = torch.div(torch.arange(levels + 1)[None, :] * cut[:, None] + levels - 1, levels, rounding_mode="floor")
+    level_mass = mass[edges[:, 1:]] - mass[edges[:, :-1]]
+    level_bins = nonempty[edges[:, 1:]] - nonempty[edges[:, :-1]]
+    kept, total = mass[cut], mass[-1]
+    spread = torch.special.xlogy(level_mass, level_mass / level_bins.clamp(min=1.0)).sum(1)
+    scaled = entropy_part[cut] - kept * torch.log(total) + _xlogx(kept) - spread
+    level = torch.div((cut - 1) * levels, cut, rounding_mode="floor")[:, None]
+    last_q = level_mass.gather(1, level)[:, 0] / level_bins.gather(1, level)[:, 0].clamp(min=1.0)
+    return (scaled + _clipped_mass_term(counts[cut - 1], last_q, kept, total)) / total
+
+
+def _clipped_mass_term(last: torch.Tensor, last_q: torch.Tensor, kept: torch.Tensor, total: torch.Tensor
+                       ) -> torch.Tensor:
+    """``N * KL`` change from adding the clipped mass ``N - S`` to ``P``'s last bin (count ``last``, ``Q`` count
+    ``last_q``); an empty last bin gets :data:`SMOOTHING` counts in ``Q``, which renormalises the rest of ``Q``."""
+    clipped = total - kept
+    n_q = total * last_q / kept.clamp(min=1e-300)  # N * q of the last bin, Q normalised by S
+    grown = torch.special.xlogy(last + clipped, (last + clipped) / n_q.clamp(min=1e-300))
+    term = torch.where(clipped > 0, grown - torch.special.xlogy(last, last / n_q.clamp(min=1e-300)), 0.0)
+    smoothed_q = total * SMOOTHING / (kept + SMOOTHING)
+    renormalised = kept * torch.log1p(SMOOTHING / kept.clamp(min=1e-300))  # every other bin: Q's total is S + eps
+    smoothed = torch.special.xlogy(clipped, clipped / smoothed_q) + renormalised
+    term = torch.where((clipped > 0) & (last == 0), smoothed, term)
+    return torch.where(kept > 0, term, torch.inf)
 
 
 def best_threshold(counts: torch.Tensor, levels: int) -> int:
-    """The number of bins of ``counts`` to keep: coarse pass over the thresholds, then every bin around the best."""
+    """The number of bins of ``|x|`` counts to keep: every threshold from :data:`START_BIN` bins is scored.
+
+    Ties (and an all-infinite divergence) go to the largest threshold, as NVIDIA's ``last_argmin`` does.
+    """
     n = counts.numel()
-    if n <= levels:
+    if n <= START_BIN:
         return n
-    coarse = torch.linspace(levels, n, _COARSE_CANDIDATES).round().long().unique()
-    best = int(coarse[torch.argmin(kl_divergences(counts, levels, coarse))])
-    step = -(-(n - levels) // (_COARSE_CANDIDATES - 1))
-    fine = torch.arange(max(levels, best - step), min(n, best + step) + 1)
-    return int(fine[torch.argmin(kl_divergences(counts, levels, fine))])
+    counts = counts.double().clone()
+    counts[0] = counts[1]
+    thresholds = torch.arange(START_BIN, n + 1)
+    divergences = torch.cat([kl_divergences(counts, levels, part) for part in thresholds.split(_CHUNK)])
+    minima = torch.nonzero(divergences == divergences.min()).flatten()
+    return int(thresholds[minima[-1]])
 
 
 @register_observer("entropy")

@@ -6,7 +6,10 @@ data range ``[lo, hi]`` the grid is *canonical*: the narrowest power-of-two widt
 
 * growing the range never re-reads data: every old bin lies inside exactly one new bin, so re-binning is an exact
   ``index_add`` (:func:`rebin`), and more than half of the bins still cover the data (unless it is near-constant);
-* the final histogram depends only on the data, not on batch order or on how the data was split across shards.
+* the final grid depends only on the data's range, not on batch order or on how the data was split across shards;
+  the counts too, bit for bit, on a grid starting at or above 0 (non-negative data, e.g. post-ReLU) counted on the
+  ``bincount`` path; otherwise a value within float32 rounding of a bin edge may sit in the neighbouring bin
+  (:mod:`fxquant.observers.counting` says why).
 
 The range methods (L2, percentile, entropy, MSE) read the same histogram through :func:`quantile`,
 :func:`fold_abs` and :func:`expected_sq_error`, all vectorised over bins and candidates.
@@ -22,12 +25,10 @@ import torch
 from fxquant.qparams import UINT8_RANGE, affine_qparams
 
 # A constant tensor still gets a usable grid: its bins are at least 2**-20 of its magnitude wide, which also keeps
-# ``start / width`` below 2**22 so the grid is exact in float32 (what ``torch.histc`` computes in).
+# ``start / width`` below 2**22 so the grid is exact in float32 (what ``torch.histc`` and ``counting`` compute in).
 _FLOOR_BITS = 20
 _MIN_EXPONENT = -100  # the grid of an all-zero tensor
 _CHUNK = 128  # candidate ranges evaluated per batch in expected_sq_error: bounds the temporary memory
-_INT16_BINS = 32767
-_COUNT_CHUNK = 1 << 16  # values binned per step of count(): bounds its temporaries to ~384 KiB
 
 
 @dataclass(frozen=True)
@@ -61,33 +62,6 @@ def grid_for(lo: float, hi: float, bins: int, min_width: float = 0.0) -> tuple[f
         if start + bins * width >= hi:
             return start, width
         exponent += 1
-
-
-def count(x: torch.Tensor, start: float, width: float, bins: int) -> torch.Tensor:
-    """Per-bin counts (float64) of ``x``, whose values all lie on the grid ``(start, width, bins)``.
-
-    ``torch.histc`` is parallel but costs ~3 ns per element per thread; on one or two threads, a bin index from two
-    vectorised ops plus ``torch.bincount`` is ~1.6x faster. Both compute ``floor((x - start) / width)`` exactly
-    (``width`` is a power of two), so the choice never changes the result.
-    """
-    if torch.get_num_threads() > 2 or bins > _INT16_BINS or x.device.type != "cpu":
-        return torch.histc(x, bins, min=start, max=start + bins * width).double()
-    # x / width - start / width in one op: scaling by a power of two is exact, so this rounds like (x - start) / width.
-    # In chunks, into two reused scratch buffers: batch-sized temporaries cost more in page faults than the
-    # arithmetic (a 25.7M-value conv output: ~300 ms whole vs ~70 ms chunked) and would grow with the batch.
-    flat = x.reshape(-1)
-    offset = torch.tensor(-start / width, dtype=x.dtype)
-    size = min(flat.numel(), _COUNT_CHUNK)
-    scratch, index = torch.empty(size, dtype=x.dtype), torch.empty(size, dtype=torch.int16)
-    counts = torch.zeros(bins + 1, dtype=torch.int64)
-    for begin in range(0, flat.numel(), _COUNT_CHUNK):
-        part = flat[begin:begin + _COUNT_CHUNK]
-        values, indices = scratch[:part.numel()], index[:part.numel()]
-        indices.copy_(torch.add(offset, part, alpha=1.0 / width, out=values))  # truncation == floor: index >= 0
-        counts += torch.bincount(indices, minlength=bins + 1)
-    result = counts.double()
-    result[bins - 1] += result[bins:].sum()  # the top edge itself belongs to the last bin, as in histc
-    return result[:bins]
 
 
 def rebin(hist: Histogram, start: float, width: float, bins: int) -> torch.Tensor:

@@ -8,10 +8,11 @@ Memory bound, per observer, whatever the dataset size: ``bins * 8`` bytes (float
 2048 bins) plus two float64 scalars for the grid (``hist_start``, ``hist_width``) and the four scalars every
 observer keeps (``min_val``, ``max_val``, ``num_updates``, ``num_elements``).
 
-Cost per update: one counting pass over the batch (``torch.histc``, or ``torch.bincount`` on one or two threads), on
-top of the ``aminmax`` every observer does. When a batch
-extends the range, the grid width doubles as often as needed and old bins are merged exactly into the new ones
-(:mod:`fxquant.observers.hist_math`): no Python loop over bins, no sort, no re-read of earlier data.
+Cost per update: one counting pass over the batch (:mod:`fxquant.observers.counting`: ``torch.bincount`` on int16
+bin indices on one or two threads, ``torch.histc`` beyond), on top of the ``aminmax`` every observer does; the grid is
+recomputed only when a batch extends the observed range. When it does, the grid width doubles as often as needed
+and old bins are merged exactly into the new ones (:mod:`fxquant.observers.hist_math`): no Python loop over bins, no
+sort, no re-read of earlier data.
 
 Example::
 
@@ -28,7 +29,8 @@ import torch
 
 from fxquant.errors import ConfigError
 from fxquant.observers.base import Observer
-from fxquant.observers.hist_math import Histogram, best_range, count, grid_for, quantile, rebin
+from fxquant.observers.counting import count_into, scan
+from fxquant.observers.hist_math import Histogram, best_range, grid_for, quantile, rebin
 from fxquant.observers.registry import register_observer
 
 MIN_BINS = 16
@@ -78,10 +80,43 @@ class HistogramObserverBase(Observer):
         self.hist_width.fill_(width)
         return start, width
 
+    def _record(self, x: torch.Tensor) -> None:
+        """Range and counts in one read of ``x`` (:func:`~fxquant.observers.counting.scan`) on the current grid.
+
+        The result is the general path's exactly: the batch is counted on the current grid only when that grid is
+        also the one the general path would choose (the canonical grid of the observed range, unchanged unless
+        the batch widens the range enough); otherwise the general path runs (``aminmax``, grow, count). float64
+        data always takes it: its extremes may round when stored in the float32 ``min_val``/``max_val``.
+        """
+        width = float(self.hist_width)
+        if width == 0 or x.dtype == torch.float64:
+            super()._record(x)
+            return
+        data = x if x.dtype == torch.float32 else x.float()
+        start = float(self.hist_start)
+        lo, hi, counts = scan(data, (start, width, self.bins))
+        self._check_finite(lo, hi)
+        if counts is None or self._regrid_needed(lo, hi, start, width):
+            start, width = self._grow(*self._covering(lo, hi))
+            count_into(self.histogram, data, start, width)
+        else:
+            self.histogram += counts
+        self._count(lo, hi, x.numel())
+
+    def _regrid_needed(self, lo: float, hi: float, start: float, width: float) -> bool:
+        """Whether a batch spanning ``[lo, hi]`` moves the canonical grid off ``(start, width)``.
+
+        The grid is a function of the observed range only (``grid_for`` is idempotent on its own output), so a batch
+        inside that range keeps it without recomputing anything.
+        """
+        if float(self.min_val) <= lo and hi <= float(self.max_val):
+            return False
+        return grid_for(*self._covering(lo, hi), self.bins, width) != (start, width)
+
     def _update(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         start, width = self._grow(*self._covering(float(lo), float(hi)))
         data = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        self.histogram += count(data, start, width, self.bins)
+        count_into(self.histogram, data, start, width)
 
     @torch.no_grad()
     def add_histogram(self, hist: Histogram, lo: float, hi: float) -> None:

@@ -15,11 +15,13 @@ from fxquant.passes.smoothquant import (
     insert_smoothing_observers,
     smooth_activations,
 )
+from fxquant.passes.smoothquant_auto import SmoothingChoice, smoothing_choices, smoothquant_alphas
 
 __all__ = [
     "ChannelRangeObserver",
     "ChannelScale",
     "InputMeanObserver",
+    "SmoothingChoice",
     "StatisticsObserver",
     "correct_biases",
     "equalize_layers",
@@ -32,4 +34,6 @@ __all__ = [
     "keep_layers_float",
     "lower_to_int8",
     "smooth_activations",
+    "smoothing_choices",
+    "smoothquant_alphas",
 ]

@@ -2,11 +2,17 @@
 
 One observer after every quantizable Linear/Conv (its output range) and after every residual add that joins int8
 values, and one on every float value that enters an int8 region. Values that stay int8 through ReLU, pooling or
-reshapes need no observer: they keep their producer's parameters.
+reshapes need no observer: they keep their producer's parameters; sigmoid/tanh outputs have fixed ones. An add that
+mixes in a float value and feeds only float code stays float (``float_outputs``).
+
+A float value that will be quantized anyway (an int8 layer or multiply reads it) is quantized once, before the
+pools and reshapes that lead from it to other int8 readers, which then run int8 on it: the squeeze-excitation
+``x * gate(fc(pool(x)))`` gets one quantize of ``x`` (as in torch.ao), not one of ``x`` and one of ``pool(x)``.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from dataclasses import dataclass
 
 from torch import fx
@@ -16,6 +22,7 @@ from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import compute_module
 from fxquant.observers import Observer, get_activation_observer
 from fxquant.passes._graph import finish, modules_of, nodes_of
+from fxquant.passes.float_outputs import float_residual_add
 from fxquant.patterns import OpKind, classify, join_inputs, tensor_input
 
 OBSERVER_PREFIX = "observer_"
@@ -78,31 +85,70 @@ def resolve_layer_settings(gm: fx.GraphModule, config: QuantConfig, prefix: str 
         node.meta[LAYER_SETTINGS] = config.settings_for(prefix + str(node.target), module_type, position=position)
 
 
+def _int8_reads(node: fx.Node, kind: OpKind, int8: set[fx.Node], modules: dict) -> list[fx.Node] | None:
+    """The values ``node`` reads as int8 when it runs int8 (each quantized first if still float); None if it stays
+    float. COMPUTE nodes are decided by their settings before this is asked. A residual add that mixes in a float
+    value and feeds only float code stays float (``float_outputs.float_residual_add``)."""
+    if kind is OpKind.COMPUTE:
+        value = tensor_input(node)
+        return None if value is None else [value]
+    if kind in (OpKind.BINARY, OpKind.JOIN):
+        args = join_inputs(node) if kind is OpKind.JOIN else [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if kind is OpKind.BINARY and float_residual_add(node, int8, modules):
+            return None
+        return args if any(a in int8 for a in args) else None
+    return None
+
+
+def _quantizes_all(node: fx.Node, readers: dict[fx.Node, set[fx.Node]], modules: dict) -> bool:
+    """Whether every reader of ``node`` quantizes it, directly or through more pools/reshapes."""
+    return bool(node.users) and all(
+        user in readers[node] or (classify(user, modules) in (OpKind.VALUE, OpKind.STRUCTURAL)
+                                  and _quantizes_all(user, readers, modules)) for user in node.users)
+
+
+def _hoist_targets(gm: fx.GraphModule, modules: dict) -> set[fx.Node]:
+    """Pools/reshapes of a float value that is quantized for another reader anyway, whose own results are only ever
+    quantized: they run int8 on that one quantized value instead (see the module doc). A dry run of the loop in
+    ``insert_observers`` finds which values get quantized and by whom."""
+    int8: set[fx.Node] = set()
+    readers: dict[fx.Node, set[fx.Node]] = defaultdict(set)
+    for node in nodes_of(gm):
+        kind = classify(node, modules)
+        settings = node.meta.get(LAYER_SETTINGS)
+        reads = None if settings is not None and not settings.quantize else _int8_reads(node, kind, int8, modules)
+        if reads is not None:
+            for value in reads:
+                if value not in int8:
+                    readers[value].add(node)
+            int8.add(node)
+        elif kind in (OpKind.VALUE, OpKind.STRUCTURAL, OpKind.FIXED) and tensor_input(node) in int8:
+            int8.add(node)
+    return {node for node in nodes_of(gm) if classify(node, modules) in (OpKind.VALUE, OpKind.STRUCTURAL)
+            and readers.get(tensor_input(node)) and _quantizes_all(node, readers, modules)}  # type: ignore[arg-type]
+
+
 def insert_observers(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> fx.GraphModule:
     """Add observers to ``gm`` (in place) following ``config``; returns ``gm``. See ``resolve_layer_settings``."""
     resolve_layer_settings(gm, config, prefix)
     modules = modules_of(gm)
+    hoisted = _hoist_targets(gm, modules)
     state = _State(gm, set(), {}, prefix)
     default = config.settings_for("")
     for node in nodes_of(gm):
         kind = classify(node, modules)
-        if kind is OpKind.COMPUTE:
-            settings = node.meta[LAYER_SETTINGS]
-            value = tensor_input(node)
-            if not settings.quantize or value is None:
-                continue
-            if value not in state.int8:
-                _observe_input(state, node, value, settings)
-            _observe_output(state, node, settings, prefix + str(node.target))
-        elif kind in (OpKind.BINARY, OpKind.JOIN):
-            args = join_inputs(node) if kind is OpKind.JOIN else [a for a in node.args[:2] if isinstance(a, fx.Node)]
-            if not any(a in state.int8 for a in args):
-                continue
-            for arg in args:
-                if arg not in state.int8:
-                    _observe_input(state, node, arg, default)
-            _observe_output(state, node, default, prefix + node.name)
-        elif kind in (OpKind.VALUE, OpKind.STRUCTURAL) and tensor_input(node) in state.int8:
+        settings = node.meta.get(LAYER_SETTINGS, default)
+        reads = _int8_reads(node, kind, state.int8, modules) if settings.quantize else None
+        if reads is not None:
+            for value in reads:
+                if value not in state.int8:
+                    _observe_input(state, node, value, settings)
+            label = prefix + (str(node.target) if kind is OpKind.COMPUTE else node.name)
+            _observe_output(state, node, settings, label)
+        elif kind in (OpKind.VALUE, OpKind.STRUCTURAL, OpKind.FIXED) and tensor_input(node) in state.int8:
+            state.int8.add(node)
+        elif node in hoisted and tensor_input(node) not in state.int8:
+            _observe_input(state, node, tensor_input(node), default)  # type: ignore[arg-type]
             state.int8.add(node)
     return finish(gm)
 

@@ -17,6 +17,7 @@ from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import Backend, ConvSpec
 from fxquant.kernels.registry import get_backend
 from fxquant.meta import LAYER_SETTINGS
+from fxquant.nn.fixed_range import QuantizedFixedRange
 from fxquant.nn.fused import Fused, add_relu, compute_module
 from fxquant.nn.quantized import (
     QUANTIZED_CONV,
@@ -32,7 +33,9 @@ from fxquant.nn.quantized import (
 )
 from fxquant.observers import Observer, get_weight_observer
 from fxquant.passes._graph import finish, modules_of, nodes_of, only_user, replace_submodule
-from fxquant.passes.value_ops import pool_options
+from fxquant.passes.fuse_lowered import fuse_lowered
+from fxquant.passes.share_qparams import share_join_qparams
+from fxquant.passes.value_ops import fixed_function, fixed_qparams, pool_options
 from fxquant.patterns import OpKind, classify, is_mul, join_dim, join_inputs, tensor_input
 from fxquant.qparams import QParams, quantize
 
@@ -100,7 +103,7 @@ def observer_qparams(gm: fx.GraphModule, backend: Backend) -> dict[str, QParams]
         if isinstance(observer, Observer):
             grouped = _feeds_grouped_conv(node, modules)
             result[str(node.target)] = observer.qparams(backend.activation_qrange(feeds_grouped_conv=grouped))
-    return result
+    return share_join_qparams(gm, modules, result)
 
 
 def _output_qparams(low: _Lowering, obs_node: fx.Node) -> QParams:
@@ -212,6 +215,19 @@ def _lower_value(low: _Lowering, node: fx.Node, qp: QParams) -> None:
     low.qparams[new] = qp
 
 
+def fixed_output_qparams(node: fx.Node, modules: dict[str, nn.Module], backend: Backend) -> QParams:
+    """The output qparams of an int8 sigmoid/hardsigmoid/tanh node: its range on the backend's integer range."""
+    function = fixed_function(node, modules)
+    assert function is not None
+    return fixed_qparams(function, backend.activation_qrange(feeds_grouped_conv=_feeds_grouped_conv(node, modules)))
+
+
+def _lower_fixed(low: _Lowering, node: fx.Node, qa: QParams) -> None:
+    qout = fixed_output_qparams(node, low.modules, low.backend)
+    module = QuantizedFixedRange(str(fixed_function(node, low.modules)), qa, qout, low.backend)
+    low.qparams[low.swap_to_module(node, module.function, module, (tensor_input(node),))] = qout
+
+
 def _dequantize_inputs(low: _Lowering, node: fx.Node) -> None:
     for value in list(node.all_input_nodes):
         if value not in low.qparams:
@@ -248,6 +264,8 @@ def _lower_node(low: _Lowering, node: fx.Node) -> None:
         low.gm.graph.erase_node(node)
     elif kind is OpKind.VALUE and source in low.qparams:
         _lower_value(low, node, low.qparams[source])
+    elif kind is OpKind.FIXED and source in low.qparams:
+        _lower_fixed(low, node, low.qparams[source])
     elif kind is OpKind.STRUCTURAL and source in low.qparams:
         low.qparams[node] = low.qparams[source]
     elif kind is not OpKind.META:
@@ -270,4 +288,4 @@ def lower_to_int8(gm: fx.GraphModule, config: QuantConfig, backend: Backend) -> 
         if not getattr(node, "_erased", False):  # observers absorbed by their producer are already gone
             _view_to_reshape(node)
             _lower_node(low, node)
-    return finish(gm)
+    return finish(fuse_lowered(gm))

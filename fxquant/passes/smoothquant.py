@@ -10,7 +10,8 @@ Two phases, because ``s`` needs per-channel activation statistics:
 
 * ``prepare`` (``insert_smoothing_observers``, only when ``QuantConfig.smoothquant_alpha`` is set) puts one
   :class:`ChannelRangeObserver` in front of each group of quantized Linear layers reading the same value; calibration
-  records each channel's min and max.
+  records each channel's min and max. With ``smoothquant_alpha="auto"`` it also keeps a bounded sample of input
+  rows, from which convert chooses one alpha per group (see :mod:`fxquant.passes.smoothquant_auto`).
 * ``convert`` (``smooth_activations``) computes ``s`` (one per value, from the weights of every layer in the group),
   scales the weight columns, and divides the activation by ``s``:
 
@@ -27,6 +28,7 @@ Two phases, because ``s`` needs per-channel activation statistics:
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -34,6 +36,7 @@ from torch import fx, nn
 
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError
+from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import Fused, compute_module
 from fxquant.observers import MinMaxObserver, Observer
 from fxquant.passes._graph import finish, nodes_of, only_user, replace_submodule
@@ -48,22 +51,46 @@ from fxquant.passes._stats import (
     unique_name,
 )
 from fxquant.passes.bias_correction import InputMeanObserver
+from fxquant.passes.smoothquant_auto import (
+    AUTO,
+    MIN_SAMPLES,
+    SAMPLE_ROWS,
+    SMOOTHQUANT_KEY,
+    SmoothingChoice,
+    choose_alpha,
+    keep_smallest_keys,
+    sample_rows,
+    smoothing_scales,
+)
 from fxquant.patterns import tensor_input
+from fxquant.state import STATE_KEY
+
+log = logging.getLogger(__name__)
+__all__ = ["ChannelRangeObserver", "ChannelScale", "insert_smoothing_observers", "smooth_activations",
+           "smoothing_scales"]
 
 STATISTICS_PREFIX = "smoothquant_statistics_"
 _NORMS: tuple[type[nn.Module], ...] = tuple(t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None)
 
 
 class ChannelRangeObserver(StatisticsObserver):
-    """Per-channel min and max along the last axis (the features a Linear reads): SmoothQuant's statistics."""
+    """Per-channel min and max along the last axis (the features a Linear reads): SmoothQuant's statistics.
+
+    With ``samples > 0`` it also keeps a uniform sample of at most ``samples`` input rows (``sample_rows``, with
+    their random keys in ``sample_keys``; unfilled slots have key ``inf``): what the automatic alpha needs.
+    """
 
     channel_min: torch.Tensor
     channel_max: torch.Tensor
+    sample_rows: torch.Tensor
+    sample_keys: torch.Tensor
 
-    def __init__(self, channels: int) -> None:
+    def __init__(self, channels: int, samples: int = 0) -> None:
         super().__init__()
         self.register_buffer("channel_min", torch.full((channels,), math.inf))
         self.register_buffer("channel_max", torch.full((channels,), -math.inf))
+        self.register_buffer("sample_rows", torch.zeros(samples, channels))
+        self.register_buffer("sample_keys", torch.full((samples,), math.inf))
 
     def _update(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> None:
         channels = self.channel_min.numel()
@@ -73,11 +100,19 @@ class ChannelRangeObserver(StatisticsObserver):
         low, high = torch.aminmax(x.reshape(-1, channels).float(), dim=0)
         self.channel_min.copy_(torch.minimum(self.channel_min, low))
         self.channel_max.copy_(torch.maximum(self.channel_max, high))
+        if self.sample_keys.numel():
+            sample_rows(self.sample_rows, self.sample_keys, x, seed=int(self.num_updates))
 
     def _merge(self, other: Observer) -> None:
         assert isinstance(other, ChannelRangeObserver)
         self.channel_min.copy_(torch.minimum(self.channel_min, other.channel_min))
         self.channel_max.copy_(torch.maximum(self.channel_max, other.channel_max))
+        if self.sample_keys.numel():
+            keep_smallest_keys(self.sample_rows, self.sample_keys, other.sample_rows, other.sample_keys)
+
+    def samples(self) -> torch.Tensor:
+        """The sampled input rows (``[rows, channels]``)."""
+        return self.sample_rows[torch.isfinite(self.sample_keys)]
 
     def absmax(self) -> torch.Tensor:
         return torch.maximum(-self.channel_min, self.channel_max).clamp(min=0.0)
@@ -97,14 +132,6 @@ class ChannelScale(nn.Module):
 
     def extra_repr(self) -> str:
         return f"channels={self.scale.numel()}"
-
-
-def smoothing_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha)``; channels that are all zero on either side keep s = 1."""
-    live = (act_absmax > 0) & (weight_absmax > 0)
-    tiny = torch.finfo(torch.float32).tiny
-    scales = act_absmax.clamp(min=tiny).pow(alpha) / weight_absmax.clamp(min=tiny).pow(1.0 - alpha)
-    return torch.where(live, scales, torch.ones_like(scales))
 
 
 def _linear(gm: fx.GraphModule, node: fx.Node) -> nn.Linear:
@@ -133,7 +160,7 @@ def insert_smoothing_observers(gm: fx.GraphModule, config: QuantConfig, prefix: 
         widths = {_linear(gm, n).in_features for n in layers}
         if len(widths) != 1:
             continue
-        observer = ChannelRangeObserver(widths.pop())
+        observer = ChannelRangeObserver(widths.pop(), SAMPLE_ROWS if config.smoothquant_alpha == AUTO else 0)
         observer.label = f"SmoothQuant statistics of the input of {', '.join(prefix + str(n.target) for n in layers)}"
         name = unique_name(gm, STATISTICS_PREFIX)
         gm.add_submodule(name, observer)
@@ -206,41 +233,72 @@ def _insert_scale(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Te
     statistics_node.replace_all_uses_with(observed)
 
 
+def _resolve_alpha(statistics: ChannelRangeObserver, weights: list[torch.Tensor], layer_nodes: list[fx.Node],
+                   alpha: float | str) -> tuple[float | None, dict[float | None, float]]:
+    """The configured alpha, or for ``"auto"`` the group's best candidate on its sampled rows."""
+    if alpha != AUTO:
+        return float(alpha), {}
+    schemes = [n.meta[LAYER_SETTINGS].weight for n in layer_nodes]
+    rows = statistics.samples()
+    if rows.shape[0] < MIN_SAMPLES:
+        log.warning("SmoothQuant auto: %s saw only %d input rows, too few to choose an alpha; left unsmoothed",
+                    statistics.label, rows.shape[0])
+        return None, {}
+    return choose_alpha(rows, list(zip(weights, schemes, strict=True)))
+
+
 @torch.no_grad()
-def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver, alpha: float) -> None:
+def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver,
+            alpha: float | str) -> SmoothingChoice | None:
     layer_nodes = [behind_statistics(gm, user) for user in node.users]
     layers = [compute_module(module_of(gm, n) or nn.Module()) for n in layer_nodes]
     weights = [layer.weight for layer in layers if isinstance(layer, nn.Linear)]
     if len(weights) != len(layer_nodes):
-        return
+        return None
+    names = ", ".join(str(n.target) for n in layer_nodes)
+    chosen, errors = _resolve_alpha(statistics, weights, layer_nodes, alpha)
+    choice = SmoothingChoice(tuple(str(n.target) for n in layer_nodes), chosen, errors)
+    if errors:
+        log.info("SmoothQuant auto: input of %s: alpha=%s (relative output error %.3g; unsmoothed %.3g)", names,
+                 "none" if chosen is None else f"{chosen:g}", errors[chosen], errors[None])
+    if chosen is None:
+        return choice
     scales = smoothing_scales(statistics.absmax(), torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0),
-                              alpha)
+                              chosen)
     for weight in weights:
         weight.mul_(scales)
     for user in node.users:  # bias-correction statistics between here and the layer saw the unsmoothed value
         module = module_of(gm, user)
         if isinstance(module, InputMeanObserver):
             module.rescale_channels(1.0 / scales)
-    names = ", ".join(str(n.target) for n in layer_nodes)
     observer = _ranged_observer(statistics, scales, f"input of {names} (smoothed)")
     if not _fold(gm, node, scales, observer):
         _insert_scale(gm, node, scales, observer)
+    return choice
 
 
 def smooth_activations(gm: fx.GraphModule, config: QuantConfig) -> fx.GraphModule:
     """Apply SmoothQuant from the calibrated :class:`ChannelRangeObserver` nodes of ``gm`` and remove them (in place).
 
-    Called by ``convert`` on its copy of the prepared model, before lowering. Example::
+    Called by ``convert`` on its copy of the prepared model, before lowering. What was done to each Linear is kept in
+    ``gm.meta`` (read it with :func:`~fxquant.passes.smoothquant_auto.smoothquant_alphas`). Example::
 
-        prepared = fxquant.prepare(model, example, QuantConfig(smoothquant_alpha=0.5))
+        prepared = fxquant.prepare(model, example, QuantConfig(smoothquant_alpha=0.5))   # or "auto"
         fxquant.calibrate(prepared, data)
         qmodel = fxquant.convert(prepared)      # smoothing happens here
     """
+    prefix = getattr(gm.meta.get(STATE_KEY), "prefix", "")
+    choices: dict[str, SmoothingChoice] = {}
     for node in nodes_of(gm):
         statistics = module_of(gm, node)
         if not isinstance(statistics, ChannelRangeObserver):
             continue
         if config.smoothquant_alpha is not None and statistics.has_data and node.users:
-            _smooth(gm, node, statistics, float(config.smoothquant_alpha))
+            choice = _smooth(gm, node, statistics, config.smoothquant_alpha)
+            if choice is not None:
+                full = SmoothingChoice(tuple(prefix + n for n in choice.layers), choice.alpha, choice.errors)
+                choices.update({path: full for path in full.layers})
         drop_statistics_node(gm, node)
+    if choices:
+        gm.meta[SMOOTHQUANT_KEY] = choices
     return finish(gm)

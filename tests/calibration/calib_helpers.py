@@ -57,3 +57,8 @@ def assert_identical(a: dict[str, dict[str, torch.Tensor]], b: dict[str, dict[st
         assert a[name].keys() == b[name].keys(), name
         for key in a[name]:
             assert torch.equal(a[name][key], b[name][key]), f"{name}.{key}: {a[name][key]} != {b[name][key]}"
+
+
+def odd_batches_wrong() -> list[torch.Tensor]:
+    """``batches()`` with every odd-position batch of the wrong shape: with two ranks, only rank 1 fails."""
+    return [b if i % 2 == 0 else torch.randn(4, 5, 8, 8) for i, b in enumerate(batches())]

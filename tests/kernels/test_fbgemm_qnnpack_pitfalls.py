@@ -3,6 +3,10 @@
 fbgemm's depthwise conv kernel (3x3 / 3x3x3, padding 1) sums pairs of u8*s8 products in 16 bits
 (``vpmaddubsw``): 255 * 127 * 2 = 64770 saturates at 32767. ``activation_qrange(feeds_grouped_conv=True)`` gives
 activations 7 bits (127 * 127 * 2 = 32258 fits), which every backend must survive on worst-case inputs.
+
+fbgemm's direct transposed-conv kernel (torch 2.13) writes input rows to the wrong output rows; the condition under
+which fbgemm picks it is pinned below, and ``test_transposed_and_fixed_range.py`` checks that fxquant's fbgemm
+backend never reaches it (those cases fail against the reference when the workaround is removed).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from kernel_contract_cases import (
 )
 
 from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.kernels.quantized_engine import _direct_conv_path, quantized_engine
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import REDUCED_UINT8_RANGE, QParams
 
@@ -84,3 +89,36 @@ def test_qnnpack_conv_output_is_channels_last_and_relu_reads_it_right() -> None:
     want = ref.relu(ref.conv(layer.q_x, ref_packed, layer.in_qp, out_qp, relu=False), out_qp)
     got = qnnpack.dequantize(qnnpack.relu(y, out_qp), out_qp)
     assert steps(got, ref.dequantize(want, out_qp), out_qp) <= 1
+
+
+def _raw_fbgemm_transposed_lsb(cin: int, cout: int, kernel: tuple[int, int], stride: tuple[int, int],
+                               padding: int) -> int:
+    """torch's own fbgemm transposed conv (no fxquant workaround) against float64, in output steps."""
+    gen = torch.Generator().manual_seed(cin + cout + sum(kernel))
+    w = torch.quantize_per_tensor(torch.randn(cin, cout, *kernel, generator=gen), 0.02, 0, torch.qint8)
+    x = torch.quantize_per_tensor(torch.rand(2, cin, 5, 6, generator=gen), 0.01, 3, torch.quint8)
+    ref = torch.nn.functional.conv_transpose2d(x.dequantize().double(), w.dequantize().double(), None, stride,
+                                               padding)
+    scale = float(ref.abs().max()) / 100
+    with quantized_engine("fbgemm"):
+        packed = torch.ops.quantized.conv_transpose2d_prepack(w, None, list(stride), [padding] * 2, [0, 0], [1, 1], 1)
+        out = torch.ops.quantized.conv_transpose2d(x, packed, scale, 128)
+    return int(((out.dequantize().double() - ref).abs() / scale).max().round())
+
+
+_TRANSPOSED_GRID = [(cin, cout, kernel, stride, padding) for cin in (8, 12) for cout in (8, 4)
+                    for kernel in ((2, 2), (2, 6), (2, 7), (3, 2)) for stride in ((2, 2), (1, 2), (3, 1))
+                    for padding in (0, 1) if padding < min(kernel)]
+
+
+@needs_fbgemm
+def test_fbgemm_direct_transposed_kernel_is_wrong_exactly_where_fxquant_avoids_it() -> None:
+    """Pins the condition in ``quantized_engine._direct_conv_path``: if a torch upgrade fixes the kernel (or moves
+    the condition), this fails and the workaround can be revisited."""
+    mismatches = []
+    for cin, cout, kernel, stride, padding in _TRANSPOSED_GRID:
+        spec = ConvSpec(2, stride, (padding, padding), (1, 1), 1, True, (0, 0))
+        wrong = _raw_fbgemm_transposed_lsb(cin, cout, kernel, stride, padding) > 1
+        if wrong != _direct_conv_path(torch.empty(cin, cout, *kernel), spec):
+            mismatches.append((cin, cout, kernel, stride, padding, wrong))
+    assert not mismatches, f"raw fbgemm correctness differs from the predicted condition: {mismatches}"

@@ -10,9 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxquant.observers import EntropyObserver, Observer, get_activation_observer
-from fxquant.observers.entropy import kl_divergences
-from fxquant.observers.hist_math import Histogram, count, expected_sq_error, fold_abs, grid_for, quantile, rebin
+from fxquant.observers import EntropyObserver, HistogramObserverBase, Observer, get_activation_observer
+from fxquant.observers.counting import count
+from fxquant.observers.entropy import SMOOTHING, best_threshold, kl_divergences
+from fxquant.observers.hist_math import Histogram, expected_sq_error, fold_abs, grid_for, quantile, rebin
 from fxquant.qparams import affine_qparams, fake_quantize
 
 PROPERTY = settings(max_examples=25, deadline=None)
@@ -48,6 +49,12 @@ def observe(name: str, data: torch.Tensor, **options: object) -> Observer:
     return obs
 
 
+def observe_histogram(name: str, data: torch.Tensor, **options: object) -> HistogramObserverBase:
+    obs = observe(name, data, **options)
+    assert isinstance(obs, HistogramObserverBase)
+    return obs
+
+
 def fake_quant_mse(data: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> float:
     """The brute-force reference: mean squared error of fake-quantizing the raw data with range ``[lo, hi]``."""
     return float((fake_quantize(data, affine_qparams(lo, hi)) - data).double().pow(2).mean())
@@ -57,7 +64,7 @@ def fake_quant_mse(data: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> fl
 @pytest.mark.parametrize("percentile", [90.0, 99.0, 99.9, 99.99])
 def test_percentile_matches_numpy_within_a_bin(kind: str, percentile: float) -> None:
     data = sample(kind)
-    obs = observe("percentile", data, percentile=percentile, bins=1024)
+    obs = observe_histogram("percentile", data, percentile=percentile, bins=1024)
     lo, hi = obs.range()
     values = np.sort(data.numpy().astype(np.float64))
     for got, q in ((float(lo), 100.0 - percentile), (float(hi), percentile)):
@@ -106,36 +113,83 @@ def test_entropy_on_one_sided_data_keeps_the_minimum() -> None:
 
 
 def naive_kl(counts: np.ndarray, levels: int, threshold: int) -> float:
-    """TensorRT's KL calibration step written as a plain loop, following its description."""
-    p = counts[:threshold].astype(np.float64).copy()
-    p[-1] += counts[threshold:].sum()
-    q = np.zeros(threshold)
-    for level in range(levels):
-        members = [j for j in range(threshold) if j * levels // threshold == level]
-        nonempty = [j for j in members if counts[j] > 0]
-        for j in nonempty:
-            q[j] = counts[members].sum() / len(nonempty)
-    p, q = p / p.sum(), q / q.sum()
-    q[(p > 0) & (q == 0)] = 1e-4
-    return float(sum(pi * math.log(pi / qi) for pi, qi in zip(p, q, strict=True) if pi > 0))
+    """One step of NVIDIA pytorch-quantization's ``_compute_amax_entropy``, written as plain loops from its description.
+
+    ``P``: the first ``threshold`` bins, the clipped mass added to the last; ``Q``: those bins merged into ``levels``
+    quantization bins (bin ``j`` in level ``floor(j * levels / threshold)``), each level's mass spread evenly over its
+    non-empty bins; ``KL(P || Q)``. Where ``P`` has mass and ``Q`` none (only the last bin can be so), ``Q`` gets
+    ``SMOOTHING`` counts (MXNet's eps) instead of NVIDIA's infinite divergence; no mass below ``threshold``: inf.
+    """
+    level_mass: dict[int, float] = {}
+    level_bins: dict[int, int] = {}
+    for j in range(threshold):
+        if counts[j] > 0:
+            level = j * levels // threshold
+            level_mass[level] = level_mass.get(level, 0.0) + float(counts[j])
+            level_bins[level] = level_bins.get(level, 0) + 1
+    if not level_mass:
+        return math.inf
+    p = [float(c) for c in counts[:threshold]]
+    p[-1] += float(counts[threshold:].sum())
+    q = [level_mass[j * levels // threshold] / level_bins[j * levels // threshold] if counts[j] > 0 else 0.0
+         for j in range(threshold)]
+    if p[-1] > 0 and q[-1] == 0:
+        q[-1] = SMOOTHING
+    p_total, q_total = sum(p), sum(q)
+    return sum(pi / p_total * math.log((pi / p_total) / (qi / q_total)) for pi, qi in zip(p, q, strict=True) if pi > 0)
 
 
-@pytest.mark.parametrize("levels", [128, 255])
-def test_kl_divergences_match_a_naive_loop(levels: int) -> None:
+def nvidia_threshold(counts: np.ndarray, levels: int, start_bin: int = 128) -> int:
+    """NVIDIA's search: first bin's count replaced by the second's, every threshold from 128 bins, last argmin."""
+    bins = counts.astype(np.float64).copy()
+    bins[0] = bins[1]
+    divergences = [naive_kl(bins, levels, t) for t in range(start_bin, bins.size + 1)]
+    best = min(divergences)
+    return start_bin + max(i for i, d in enumerate(divergences) if d == best)
+
+
+def magnitude_histograms() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(3)
-    counts = np.histogram(np.abs(rng.standard_t(3, size=20_000)), bins=600)[0].astype(np.float64)
-    counts[rng.choice(600, 50, replace=False)] = 0.0  # empty bins inside the range exercise the expansion rule
-    thresholds = torch.tensor([levels, levels + 1, 301, 457, 600])
+    t3 = np.histogram(np.abs(rng.standard_t(3, size=20_000)), bins=600)[0].astype(np.float64)
+    holes = t3.copy()
+    holes[rng.choice(600, 50, replace=False)] = 0.0  # empty bins inside the range exercise the expansion rule
+    relu = np.histogram(np.maximum(rng.normal(size=30_000), 0.0), bins=400)[0].astype(np.float64)  # zero spike
+    sparse = np.histogram(np.abs(rng.laplace(size=300)), bins=500)[0].astype(np.float64)  # a tail of lone values
+    far = np.concatenate([np.zeros(200), relu[:200]])  # no mass below 200 bins: infinite divergence there
+    return {"t3": t3, "holes": holes, "relu": relu, "sparse": sparse, "far": far}
+
+
+@pytest.mark.parametrize("levels", [128, 256])
+@pytest.mark.parametrize("name", ["t3", "holes", "relu", "sparse", "far"])
+def test_kl_divergences_match_a_naive_loop(levels: int, name: str) -> None:
+    counts = magnitude_histograms()[name]
+    thresholds = torch.tensor([1, 2, levels - 1, levels, levels + 1, 301, 333, 397, 400])
     got = kl_divergences(torch.from_numpy(counts), levels, thresholds)
     for value, t in zip(got.tolist(), thresholds.tolist(), strict=True):
         reference = naive_kl(counts, levels, t)
-        assert value == pytest.approx(reference, rel=1e-9, abs=1e-12), f"threshold {t}: {value} vs {reference}"
+        assert value == pytest.approx(reference, rel=1e-7, abs=1e-12), f"threshold {t}: {value} vs {reference}"
+
+
+@pytest.mark.parametrize("levels", [128, 256])
+@pytest.mark.parametrize("name", ["t3", "holes", "relu", "sparse", "far"])
+def test_entropy_threshold_matches_nvidia_search(levels: int, name: str) -> None:
+    counts = magnitude_histograms()[name]
+    assert best_threshold(torch.from_numpy(counts), levels) == nvidia_threshold(counts, levels)
+
+
+def test_entropy_ignores_the_zero_spike_of_relu_data() -> None:
+    """Half the values at exactly 0 (post-ReLU) must not pull the threshold down: 0 is exact at any threshold."""
+    data = torch.relu(sample("normal", n=100_000))
+    _, with_zeros = observe("entropy", data).range()
+    _, without = observe("entropy", data[data > 0]).range()
+    assert float(with_zeros) == float(without)
+    assert float(with_zeros) > 0.5 * float(data.max()), f"threshold {float(with_zeros):.4g} of max {float(data.max())}"
 
 
 @pytest.mark.parametrize("kind", ["normal", "relu", "uniform"])
 def test_expected_error_matches_brute_force_fake_quantization(kind: str) -> None:
     data = with_outliers(sample(kind, n=100_000), count=2)
-    hist = observe("histogram", data).stored_histogram()
+    hist = observe_histogram("histogram", data).stored_histogram()
     lo = torch.tensor([float(data.min()), -1.0, -3.0, 0.0], dtype=torch.float64)
     hi = torch.tensor([float(data.max()), 1.0, 2.5, 0.5], dtype=torch.float64)
     model = expected_sq_error(hist, lo, hi)
@@ -178,7 +232,7 @@ def test_rebin_merges_whole_bins_exactly() -> None:
 
 def test_fold_abs_is_the_histogram_of_the_magnitudes() -> None:
     data = sample("skewed")
-    hist = observe("histogram", data, bins=256).stored_histogram()
+    hist = observe_histogram("histogram", data, bins=256).stored_histogram()
     folded = fold_abs(hist)
     top = folded.width * folded.bins
     direct = torch.histc(data.abs(), folded.bins, 0.0, top).double()

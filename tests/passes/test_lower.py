@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import fxquant
+from fxquant.kernels.registry import get_backend
 from fxquant.models import create_model
 from fxquant.nn import DeQuantize, Quantize, QuantizedAdd, QuantizedConv2d, QuantizedLinear
 from fxquant.observers import Observer
@@ -23,18 +24,20 @@ def test_chain_has_one_quantize_and_one_dequantize(backend: str) -> None:
     model = create_model("conv_bn")  # conv-relu -> maxpool -> flatten -> linear: one int8 region
     converted = fxquant.convert(calibrated(model, (4, 3, 32, 32)), backend=backend)
     assert _count(converted, Quantize) == 1
-    assert _count(converted, DeQuantize) == 1
+    # the Linear's only reader is the model output: it returns float itself where the backend can (fbgemm)
+    assert _count(converted, DeQuantize) == (0 if get_backend(backend).fuses_float_output else 1)
     assert _count(converted, Observer) == 0
     assert _count(converted, QuantizedConv2d) == 1 and _count(converted, QuantizedLinear) == 1
     assert not any(isinstance(m, (nn.Conv2d, nn.Linear, nn.BatchNorm2d)) for m in converted.modules())
     text = str(converted.graph)
-    assert "quantize_0" in text and "dequantize_" in text  # print(converted.graph) shows the boundaries
+    assert "quantize_0" in text  # print(converted.graph) shows the boundaries
 
 
 def test_resnet_stays_int8_through_adds_pooling_and_flatten() -> None:
     model = create_model("resnet18", num_classes=10)
     converted = fxquant.convert(calibrated(model, (1, 3, 64, 64), batches=2))
-    assert _count(converted, Quantize) == 1 and _count(converted, DeQuantize) == 1
+    float_fc = get_backend("fbgemm").fuses_float_output  # the classifier returns float itself
+    assert _count(converted, Quantize) == 1 and _count(converted, DeQuantize) == (0 if float_fc else 1)
     assert _count(converted, QuantizedAdd) == 8
     relu_fused = [m.relu for m in converted.modules() if isinstance(m, QuantizedAdd)]
     assert all(relu_fused)
@@ -45,7 +48,11 @@ def test_float_island_gets_dequantize_before_and_quantize_after() -> None:
     converted = fxquant.convert(calibrated(model, (4, 8)))
     ops = [type(m).__name__ for n in converted.graph.nodes if n.op == "call_module"
            for m in [converted.get_submodule(n.target)]]
-    assert ops == ["Quantize", "QuantizedLinear", "DeQuantize", "GELU", "Quantize", "QuantizedLinear", "DeQuantize"]
+    if get_backend("fbgemm").fuses_float_output:  # both Linears are read only by float code: float outputs
+        assert ops == ["Quantize", "QuantizedLinear", "GELU", "Quantize", "QuantizedLinear"]
+    else:
+        assert ops == ["Quantize", "QuantizedLinear", "DeQuantize", "GELU", "Quantize", "QuantizedLinear",
+                       "DeQuantize"]
 
 
 def test_excluded_layer_stays_float() -> None:

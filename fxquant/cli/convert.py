@@ -1,0 +1,186 @@
+"""``fxquant convert``: lower a calibrated run to INT8, optionally within an accuracy budget.
+
+Plain ``convert`` lowers the run's calibrated statistics. With ``--max-accuracy-drop PTS`` it runs the
+accuracy-budget search of :mod:`fxquant.fallback` instead: the metric (``--metric``, as in ``fxquant report``) is
+measured on ``--eval-data``, the fewest layers are kept float that bring the drop within ``PTS`` metric points
+(``fxquant regress`` uses the same unit: 0.5 = half a percentage point of top-1), and the trial table is printed.
+The kept-float layers go into the run's config as ``exclude`` patterns and the run is prepared and calibrated again
+on ``--data`` (the calibration data, with the same options as ``fxquant calibrate``), so RUN_DIR holds the chosen
+model like any converted run: ``fxquant report`` / ``export`` / ``fxquant.load`` rebuild it.
+
+Exit status: 0 when the written model is within the budget; :data:`EXIT_BUDGET_MISSED` (3) when no trial met it
+(the closest model found is written all the same, and the message says so); 2 for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from fxquant.cli.common import data_options, emit, positive_int
+from fxquant.cli.data import DataOptions, load_data
+from fxquant.cli.rundir import Source, advance, open_run, rebuild_run
+from fxquant.cli.specs import load_object, parse_example_inputs
+from fxquant.errors import InputError
+
+EXIT_BUDGET_MISSED = 3
+DEFAULT_MAX_TRIALS = 16
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    convert = sub.add_parser("convert", parents=[common], help="convert a calibrated run to INT8")
+    convert.add_argument("run_dir", metavar="RUN_DIR")
+    convert.add_argument("--backend", help="fbgemm, qnnpack, onednn, reference or auto (default: the config's)")
+    budget = convert.add_argument_group("accuracy budget (keep the fewest layers float that meet it)")
+    budget.add_argument("--max-accuracy-drop", type=_points, metavar="PTS",
+                        help="metric points the INT8 model may lose (top1/top5: percentage points, 0.5 = half a "
+                             "point; a custom metric: its own units); needs --eval-data and --data")
+    budget.add_argument("--eval-data", metavar="SPEC", help="(inputs, target) batches the metric is measured on; "
+                                                            "same forms as --data")
+    budget.add_argument("--eval-columns", metavar="A,B", help="dataset columns / .npz arrays of --eval-data, in "
+                                                              "order (e.g. images,labels)")
+    budget.add_argument("--eval-batch-size", type=positive_int, default=256, help="default: 256")
+    budget.add_argument("--metric", default="top1",
+                        help="top1, top5, or PKG.MODULE:FUNCTION(outputs, targets) -> float (default: top1)")
+    budget.add_argument("--max-trials", type=positive_int, default=DEFAULT_MAX_TRIALS,
+                        help=f"conversions the search may evaluate (default: {DEFAULT_MAX_TRIALS})")
+    budget.add_argument("--data", metavar="SPEC", help="calibration data (as for fxquant calibrate): the search "
+                                                       "calibrates on it, with layers kept float too")
+    budget.add_argument("--batch-size", type=positive_int, default=32, help="rows per --data batch (default: 32)")
+    budget.add_argument("--columns", metavar="A,B", help="dataset columns / .npz arrays of --data to feed")
+    budget.add_argument("--transform", metavar="PKG.MODULE:FUNCTION", help="applied to each --data batch")
+    budget.add_argument("--split", default="train", help="dataset split of --data (default: train)")
+    convert.set_defaults(handler=_convert)
+
+
+def _points(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number of metric points >= 0, got {text!r}")
+    return value
+
+
+def _convert(args: argparse.Namespace) -> int:
+    if args.max_accuracy_drop is None:
+        given = [flag for flag, value in (("--eval-data", args.eval_data), ("--data", args.data)) if value]
+        if given:
+            raise InputError(f"{' and '.join(given)} only serve --max-accuracy-drop; add it, or drop them")
+        return _plain(args)
+    missing = [flag for flag, value in (("--eval-data", args.eval_data), ("--data", args.data)) if not value]
+    if missing:
+        raise InputError(f"--max-accuracy-drop needs {' and '.join(missing)}: the data the metric is measured on "
+                         "(--eval-data) and the calibration data to calibrate again with layers kept float (--data)")
+    return _within_budget(args)
+
+
+def _plain(args: argparse.Namespace) -> int:
+    from fxquant.api import convert
+
+    directory, manifest = open_run(args.run_dir, needs="calibrated")
+    _, prepared = rebuild_run(directory, manifest, stage="calibrated")
+    quantized = convert(prepared, backend=args.backend)
+    _write(args, prepared, quantized, extra={})
+    return 0
+
+
+def _write(args: argparse.Namespace, prepared: fx.GraphModule, quantized: fx.GraphModule,
+           extra: dict[str, Any], text: str = "") -> None:
+    """Record ``prepared``'s config, graph and statistics, then ``quantized``, as RUN_DIR's converted stage."""
+    from fxquant.artifacts.model_io import observer_statistics, set_graph, tensor_state
+    from fxquant.graph_view import node_role
+    from fxquant.state import quant_state
+
+    directory, manifest = open_run(args.run_dir, needs="calibrated")
+    state = quant_state(prepared)
+    manifest.config = state.config.to_dict()
+    set_graph(manifest, "prepared", prepared)
+    manifest.calibration_samples = state.calibration_samples
+    manifest.backend = quant_state(quantized).backend
+    set_graph(manifest, "converted", quantized)
+    tensors = {"observers": observer_statistics(prepared), "quantized": tensor_state(quantized)}
+    advance(directory, manifest, "converted", tensors, backend=manifest.backend, **extra)
+    modules = dict(quantized.named_modules())
+    int8 = [n.name for n in quantized.graph.nodes if node_role(n, modules).startswith("int8")]
+    emit(args, f"{text}converted to INT8 on {manifest.backend}: {len(int8)} int8 nodes; {directory} is at stage "
+               f"'converted'\nnext: fxquant report {directory} --data SPEC",
+         {"run_dir": str(directory), "stage": "converted", "backend": manifest.backend, "int8_nodes": int8,
+          **extra})
+
+
+def metric_eval_fn(data: Iterable[Any], metric: Any, params: list[str]) -> Callable[[nn.Module], float]:
+    """``model -> metric`` over every batch of ``data`` (sample-weighted mean), what the search scores models by."""
+    from fxquant.calibration.adapters import batch_size_of, to_call_args
+    from fxquant.report.metrics import WeightedMean, metric_value, split_batch
+
+    @torch.inference_mode()
+    def score(model: nn.Module) -> float:
+        mean = WeightedMean()
+        for batch in data:
+            inputs, target = split_batch(batch, metric.needs_target)
+            args, kwargs = to_call_args(inputs, params)
+            samples = len(target) if isinstance(target, torch.Tensor) and target.dim() else batch_size_of(args,
+                                                                                                          kwargs)
+            mean.add(metric_value(metric, model(*args, **kwargs), target), samples)
+        if not mean.weight:
+            raise InputError("--eval-data yielded no batch")
+        return mean.mean
+
+    return score
+
+
+def _metric(name: str) -> Any:
+    if ":" not in name:
+        return name
+    metric = load_object(name, "--metric")
+    if not callable(metric):
+        raise InputError(f"--metric {name!r} is not callable")
+    return metric
+
+
+def _eval_options(args: argparse.Namespace) -> DataOptions:
+    columns = tuple(c.strip() for c in args.eval_columns.split(",") if c.strip()) if args.eval_columns else ()
+    return DataOptions(args.eval_data, args.eval_batch_size, columns, None, "test")
+
+
+def _within_budget(args: argparse.Namespace) -> int:
+    from fxquant.api import convert
+    from fxquant.calibration.adapters import forward_parameters
+    from fxquant.fallback import quantize_within_budget
+    from fxquant.report.metrics import resolve_metric
+
+    directory, manifest = open_run(args.run_dir, needs="calibrated")
+    model, prepared = rebuild_run(directory, manifest, stage="calibrated")
+    metric = resolve_metric(_metric(args.metric))  # the same names and specs as fxquant report
+    eval_fn = metric_eval_fn(load_data(_eval_options(args)), metric, forward_parameters(prepared)[0])
+    calibration = load_data(data_options(args))
+    example = parse_example_inputs(Source.from_manifest(directory, manifest).example_inputs)
+    budget = args.max_accuracy_drop / metric.points_per_unit
+    config = manifest.quant_config()
+    config = dataclasses.replace(config, backend=args.backend) if args.backend else config
+    qmodel = quantize_within_budget(model, example, calibration, config, eval_fn=eval_fn,
+                                    max_accuracy_drop=budget, max_trials=args.max_trials, progress=not args.quiet)
+    result = qmodel.meta["fxquant_fallback"]
+    assert result.prepared is not None
+    written = convert(result.prepared)  # what RUN_DIR rebuilds: no convert-time keep_float
+    score = eval_fn(written)
+    drop_points = (result.float_metric - score) * metric.points_per_unit
+    met = drop_points <= args.max_accuracy_drop + 1e-9
+    verdict = (f"budget met: {metric.name} drop {drop_points:.3f} points <= {args.max_accuracy_drop:g}" if met else
+               f"budget NOT met: the closest model found drops {metric.name} by {drop_points:.3f} points "
+               f"(> {args.max_accuracy_drop:g}); it is written all the same")
+    table = "" if args.json else f"{result.to_markdown()}\n\nwritten to RUN_DIR: {metric.name} {score:.4f}; {verdict}\n"
+    float_layers = list(result.float_layers)
+    _write(args, result.prepared, written, text=table,
+           extra={"max_accuracy_drop": args.max_accuracy_drop, "metric": metric.name, "met_budget": met,
+                  "float_metric": result.float_metric, "int8_metric": score, "drop_points": drop_points,
+                  "float_layers": float_layers, "trials": len(result.trials)})
+    return 0 if met else EXIT_BUDGET_MISSED

@@ -1,0 +1,120 @@
+"""Fusions on the lowered INT8 graph, where the backend has a kernel for the pair (and only there).
+
+* ``fuse_conv_add``: ResNet/MobileNet blocks end in ``add(conv(x), identity)``, an int8 round trip of the conv output
+  plus an element-wise add. oneDNN's conv takes the other addend as a ``sum`` post-op and rounds once, as torch.ao's
+  ``conv2d_add`` and Inductor's ``qconv2d_pointwise.binary`` do: one
+  :class:`~fxquant.nn.quantized.QuantizedConvAdd2d` call at the add's place (``Backend.fuses_conv_add``).
+* ``fuse_float_outputs``: a Linear/Conv whose only user is a dequantize (BERT's q/k/v projections, the GELU input)
+  returns its float result directly (``Backend.fuses_float_output``), as Inductor does: no uint8 write, no
+  dequantize.
+
+fbgemm/qnnpack have neither kernel and keep the separate ops. Both passes edit in place; the caller runs dead-code
+elimination and recompiles.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from fxquant.nn.quantized import (
+    DeQuantize,
+    QuantizedAdd,
+    QuantizedConv1d,
+    QuantizedConv2d,
+    QuantizedConv3d,
+    QuantizedConvAdd2d,
+    QuantizedConvNd,
+    QuantizedLinear,
+    _BackendModule,
+)
+from fxquant.passes._graph import nodes_of, replace_submodule
+from fxquant.patterns import OpKind, classify
+
+
+def _module(gm: fx.GraphModule, node: fx.Node) -> object:
+    return gm.get_submodule(str(node.target)) if node.op == "call_module" else None
+
+
+def _fusable_conv(gm: fx.GraphModule, add_node: fx.Node, add: QuantizedAdd) -> int | None:
+    """The position (0 or 1) of an add input that a plain Conv2d on the add's backend computes for the add alone."""
+    if add_node.args[0] is add_node.args[1]:
+        return None
+    for index, value in enumerate(add_node.args[:2]):
+        if not isinstance(value, fx.Node) or len(value.users) != 1:
+            continue
+        conv = _module(gm, value)
+        if isinstance(conv, QuantizedConv2d) and type(conv) is QuantizedConv2d and not conv.relu \
+                and conv.backend is add.backend:
+            return index
+    return None
+
+
+def _read_later(gm: fx.GraphModule, accum: fx.Node, add_node: fx.Node, conv_node: fx.Node) -> bool:
+    """Whether ``accum``'s tensor may be read after the fused kernel starts writing into it: by the fused conv
+    itself (``x + conv(x)``), or by anything after the add.
+
+    Safe only when a backend module made it (a fresh tensor, not a view of something else) and every other reader
+    is a backend module or a metadata read that runs before the add: a view taken earlier could be read later.
+    """
+    if not isinstance(_module(gm, accum), _BackendModule) or conv_node.args[0] is accum:
+        return True
+    modules = dict(gm.named_modules())
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for user in accum.users:
+        if user is add_node:
+            continue
+        harmless = isinstance(_module(gm, user), _BackendModule) or classify(user, modules) is OpKind.META
+        if not harmless or position[user] > position[add_node]:
+            return True
+    return False
+
+
+def fuse_conv_add(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace ``add(conv(x), other)`` by one conv+add call where the add's backend fuses them."""
+    for node in nodes_of(gm):
+        add = _module(gm, node)
+        if not isinstance(add, QuantizedAdd) or not add.backend.fuses_conv_add:
+            continue
+        index = _fusable_conv(gm, node, add)
+        if index is None:
+            continue
+        conv_node, accum = node.args[index], node.args[1 - index]
+        assert isinstance(conv_node, fx.Node) and isinstance(accum, fx.Node)
+        conv = gm.get_submodule(str(conv_node.target))
+        assert isinstance(conv, QuantizedConv2d)
+        accum_qp = add.qb if index == 0 else add.qa
+        fused = QuantizedConvAdd2d(conv, (accum_qp, add.out_qp), relu=add.relu,
+                                   clone_accum=_read_later(gm, accum, node, conv_node))
+        replace_submodule(gm, str(conv_node.target), fused)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(str(conv_node.target), (conv_node.args[0], accum))
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(conv_node)
+    return gm
+
+
+def fuse_float_outputs(gm: fx.GraphModule) -> fx.GraphModule:
+    """Let a Linear/Conv whose only user is a dequantize return float itself, where its backend fuses that."""
+    for node in nodes_of(gm):
+        linear = _module(gm, node)
+        if type(linear) not in _FLOAT_OUTPUT or len(node.users) != 1:
+            continue
+        assert isinstance(linear, (QuantizedLinear, QuantizedConvNd))
+        backend = linear.backend
+        if not (backend.fuses_float_output if isinstance(linear, QuantizedLinear) else backend.fuses_float_conv_output):
+            continue
+        user = next(iter(node.users))
+        if isinstance(_module(gm, user), DeQuantize):
+            linear.float_output = True
+            user.replace_all_uses_with(node)
+            gm.graph.erase_node(user)
+    return gm
+
+
+_FLOAT_OUTPUT = (QuantizedLinear, QuantizedConv1d, QuantizedConv2d, QuantizedConv3d)  # exact types: not ConvAdd2d
+
+
+def fuse_lowered(gm: fx.GraphModule) -> fx.GraphModule:
+    """Every fusion above, in place."""
+    return fuse_float_outputs(fuse_conv_add(gm))

@@ -1,0 +1,129 @@
+"""``fxquant convert --max-accuracy-drop``: the accuracy-budget search from the command line, on the digits CNN.
+
+The model is the trained digits CNN made outlier-heavy (conv1's channel 0 divided by 100 through BN1, conv2's
+weights reading it multiplied: the same float function) with per-tensor weights, so all-INT8 misses a 0.5-point
+budget by several points and the search must keep a layer float. The written run is checked independently: ``fxquant
+report`` rebuilds it from RUN_DIR and measures its own top-1 drop.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from cli_testing import error_line, run_cli, snapshot
+
+from fxquant.cli.convert import EXIT_BUDGET_MISSED
+from fxquant.models.digits import DigitsCNN, load_digits_splits
+
+
+@pytest.fixture(scope="module")
+def budget_setup(tmp_path_factory: pytest.TempPathFactory, digits_weights: Path) -> Path:
+    """Data files, the outlier-heavy weights and a per-tensor config, once for the module."""
+    root = tmp_path_factory.mktemp("budget")
+    splits = load_digits_splits()
+    for split in ("calib", "test"):
+        np.savez(root / f"{split}.npz", images=splits[split][0].numpy(), labels=splits[split][1].numpy())
+    model = DigitsCNN()
+    model.load_state_dict(torch.load(digits_weights, weights_only=True))
+    with torch.no_grad():
+        model.bn1.weight[0] /= 100.0
+        model.bn1.bias[0] /= 100.0
+        model.conv2.weight[:, 0] *= 100.0
+    torch.save(model.state_dict(), root / "heavy.pt")
+    (root / "per_tensor.json").write_text(json.dumps({"weight": "per_tensor"}))
+    return root
+
+
+def _calibrated_run(root: Path, name: str) -> Path:
+    run = root / name
+    for args in (("prepare", "--model", "fxquant.models:digits_cnn", "--weights", str(root / "heavy.pt"),
+                  "--config", str(root / "per_tensor.json"), "--example-inputs", "1x1x8x8", "-o", str(run)),
+                 ("calibrate", str(run), "--data", str(root / "calib.npz"), "--columns", "images",
+                  "--batch-size", "60")):
+        result = run_cli("--quiet", *args)
+        assert result.returncode == 0, result.stderr
+    return run
+
+
+def _budget_args(root: Path, run: Path, points: str, *extra: str) -> tuple[str, ...]:
+    return ("--quiet", "convert", str(run), "--max-accuracy-drop", points, "--eval-data", str(root / "test.npz"),
+            "--eval-columns", "images,labels", "--data", str(root / "calib.npz"), "--columns", "images", *extra)
+
+
+def _report_drop_points(root: Path, run: Path) -> float:
+    out = root / f"{run.name}-report.json"
+    result = run_cli("--quiet", "report", str(run), "--data", str(root / "test.npz"), "--columns", "images,labels",
+                     "--format", "json", "-o", str(out), "--latency-budget", "0.2", "--threads", "1")
+    assert result.returncode == 0, result.stderr
+    accuracy = json.loads(out.read_text())["accuracy"]
+    return 100.0 * (accuracy["float"] - accuracy["quantized"])
+
+
+def test_budget_met_by_keeping_a_layer_float(budget_setup: Path) -> None:
+    run = _calibrated_run(budget_setup, "met")
+    plain_drop = 100.0 * _plain_int8_drop(budget_setup)
+    assert plain_drop > 0.5, f"all-INT8 must miss the budget for this test to mean anything ({plain_drop:.2f})"
+    result = run_cli(*_budget_args(budget_setup, run, "0.5"))
+    assert result.returncode == 0, result.stderr
+    assert "| # | step | layers kept float |" in result.stdout and "budget met" in result.stdout, result.stdout
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stage"] == "converted"
+    excluded = manifest["config"]["exclude"]
+    assert excluded, manifest["config"]  # the kept-float layers are recorded, so RUN_DIR rebuilds the model
+    drop = _report_drop_points(budget_setup, run)
+    assert drop <= 0.5, f"fxquant report measures a {drop:.2f}-point drop for the written model"
+
+
+def _plain_int8_drop(root: Path) -> float:
+    """All-INT8 top-1 drop of the same model and config, computed in Python (independent of the CLI search)."""
+    import fxquant
+    from fxquant import QuantConfig
+    from fxquant.models import accuracy
+
+    model = DigitsCNN().eval()
+    model.load_state_dict(torch.load(root / "heavy.pt", weights_only=True))
+    splits = load_digits_splits()
+    calib, (images, labels) = splits["calib"][0], splits["test"]
+    qmodel = fxquant.quantize(model, (calib[:1],), [calib[i:i + 60] for i in range(0, 180, 60)],
+                              QuantConfig(weight="per_tensor"), progress=False)
+    test = [(images, labels)]
+    return accuracy(model, test) - accuracy(qmodel, test)
+
+
+def test_budget_missed_writes_the_closest_model_and_exits_3(budget_setup: Path) -> None:
+    run = _calibrated_run(budget_setup, "missed")
+    result = run_cli(*_budget_args(budget_setup, run, "0", "--max-trials", "1"))
+    assert result.returncode == EXIT_BUDGET_MISSED == 3, result.stderr
+    assert "budget NOT met" in result.stdout, result.stdout
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["stage"] == "converted" and manifest["history"][-1]["met_budget"] is False
+    assert _report_drop_points(budget_setup, run) > 0  # what was written really misses a zero budget
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (("--max-accuracy-drop", "-1"), "--max-accuracy-drop: expected a number of metric points >= 0, got '-1'"),
+    (("--max-accuracy-drop", "abc"), "expected a number of metric points >= 0"),
+    (("--max-accuracy-drop", "0.5"), "--max-accuracy-drop needs --eval-data and --data"),
+    (("--eval-data", "test.npz"), "--eval-data only serve --max-accuracy-drop"),
+])
+def test_bad_budget_input_is_one_line_and_leaves_the_run(budget_setup: Path, extra: tuple[str, ...],
+                                                         needle: str) -> None:
+    run = budget_setup / "missed" if (budget_setup / "missed").exists() else _calibrated_run(budget_setup, "bad")
+    before = snapshot(run)
+    outcome = run_cli("--quiet", "convert", str(run), *extra)
+    assert outcome.returncode == 2, outcome.stderr
+    assert needle in error_line(outcome, "convert")
+    assert len(outcome.stderr.strip().splitlines()) == 1, outcome.stderr
+    assert snapshot(run) == before
+
+
+def test_bad_metric_subprocess_exits_2(budget_setup: Path) -> None:
+    run = _calibrated_run(budget_setup, "badmetric")
+    result: subprocess.CompletedProcess[str] = run_cli(*_budget_args(budget_setup, run, "0.5", "--metric", "top7"))
+    assert result.returncode == 2
+    assert "unknown metric 'top7'" in error_line(result, "convert")

@@ -1,0 +1,100 @@
+"""The fusions convert applies on the lowered graph (``fxquant.passes.fuse_lowered``): where they happen, where the
+fused kernel must copy its in-place input, and that fused and unfused backends still agree at the output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import fx, nn
+
+import fxquant
+from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.nn.quantized import DeQuantize, QuantizedAdd, QuantizedConvAdd2d, QuantizedLinear
+from fxquant.testing import simulate
+
+FUSING = [n for n in ("onednn", "reference") if n in available_backends()]
+
+
+class _Residual(nn.Module):
+    """Three residual joins: a ResNet one (its accum read only before the add), ``h + conv(h)`` (the fused conv
+    reads its own accum) and one whose accum is read again after the add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.a1, self.a2 = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 8, 1)
+        self.c = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.stem(x))
+        y = torch.relu(self.a2(torch.relu(self.a1(y))) + y)
+        h = self.b(y) + y
+        z = torch.relu(self.c(h) + h)
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(z + h, 1), 1))
+
+
+def _converted(backend: str, model: nn.Module, shape: tuple[int, ...]) -> tuple[fx.GraphModule, fx.GraphModule]:
+    prepared = fxquant.prepare(model.eval(), (torch.randn(shape),))
+    fxquant.calibrate(prepared, [torch.randn(4, *shape[1:]) for _ in range(3)], progress=False)
+    return prepared, fxquant.convert(prepared, backend=backend)
+
+
+def _called(gm: fx.GraphModule, kind: type[nn.Module]) -> list[nn.Module]:
+    return [gm.get_submodule(str(n.target)) for n in gm.graph.nodes
+            if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), kind)]
+
+
+@pytest.mark.parametrize("backend", FUSING)
+def test_every_conv_feeding_an_add_alone_is_fused_and_copies_its_accum_only_when_needed(backend: str) -> None:
+    prepared, qmodel = _converted(backend, _Residual(), (2, 3, 9, 9))
+    fused = {path: m for path, m in qmodel.named_modules() if isinstance(m, QuantizedConvAdd2d)}
+    assert sorted(fused) == ["a2", "b", "c"], sorted(fused)
+    assert not fused["a2"].clone_accum  # y was read by a1, before the add
+    assert fused["b"].clone_accum  # b reads its own accum y inside the fused kernel
+    assert fused["c"].clone_accum  # c reads h, and z + h reads h after the add
+    assert len(_called(qmodel, QuantizedAdd)) == 1  # z + h: neither input is a conv's alone
+    x = torch.randn(3, 3, 9, 9)
+    step = float(qmodel.get_submodule("fc").out_qp.scale)
+    error = float((qmodel(x) - simulate(prepared, backend)(x)).abs().max()) / step
+    assert error <= 1.0 + 1e-4, f"{backend}: {error:.2f} output steps from the simulation"
+
+
+def test_backends_with_the_fused_kernels_agree_within_one_step() -> None:
+    """One calibrated model converted per backend: the fusing ones within one output step of the reference
+    backend; fbgemm/qnnpack keep their separate add (no fused module) and are checked against their simulation in
+    tests/robustness (with one rounding more per residual join they can be further from the reference)."""
+    torch.manual_seed(1)
+    prepared, reference = _converted("reference", _Residual(), (2, 3, 9, 9))
+    x = torch.randn(3, 3, 9, 9)
+    step = float(reference.get_submodule("fc").out_qp.scale)
+    for backend in (b for b in ("onednn", "fbgemm", "qnnpack") if b in available_backends()):
+        qmodel = fxquant.convert(prepared, backend=backend)
+        assert bool(_called(qmodel, QuantizedConvAdd2d)) is (backend in FUSING)
+        if backend in FUSING:
+            error = float((qmodel(x) - reference(x)).abs().max()) / step
+            assert error <= 1.0 + 1e-4, f"{backend}: {error:.2f} output steps from the reference backend"
+
+
+class _FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
+@pytest.mark.parametrize("backend", [b for b in ("onednn", "reference", "fbgemm") if b in available_backends()])
+def test_a_linear_read_only_by_float_code_returns_float_where_the_backend_fuses_that(backend: str) -> None:
+    prepared, qmodel = _converted(backend, _FeedForward(), (2, 5, 16))
+    up = qmodel.get_submodule("up")
+    assert isinstance(up, QuantizedLinear)
+    fuses = get_backend(backend).fuses_float_output  # fbgemm too: through oneDNN's float-output kernel
+    assert up.float_output is fuses and qmodel.get_submodule("down").float_output is fuses  # GELU, model output
+    assert len(_called(qmodel, DeQuantize)) == (0 if fuses else 2)
+    x = torch.randn(3, 5, 16)
+    step = float(qmodel.get_submodule("down").out_qp.scale)
+    error = float((qmodel(x) - simulate(prepared, backend)(x)).abs().max()) / step
+    assert error <= 1.0 + 1e-4, f"{backend}: {error:.2f} output steps from the simulation"

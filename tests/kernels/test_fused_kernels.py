@@ -1,0 +1,185 @@
+"""Contract tests for the fused kernels (conv + add, Linear with a float output) and the plain-uint8 fast paths
+(max-pool through ``quantized::max_pool2d``, quantize into channels-last): every backend against the reference.
+
+A backend with the fused kernel (``fuses_conv_add`` / ``fuses_float_output``) must match the reference's single
+rounding within one output step; one without it runs the separate ops, and must match the reference's separate ops.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from kernel_contract_cases import (
+    CONTRACT,
+    ConvCase,
+    activation,
+    backends_under_test,
+    conv_cases,
+    conv_layer,
+    float_conv,
+    make_layer,
+    output_qparams,
+    reference_backend,
+    steps,
+)
+
+from fxquant.kernels.base import Backend, ConvAddQParams, ConvSpec
+from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.qparams import QParams, affine_qparams, dequantize, quantize
+
+BACKENDS = backends_under_test()
+PLAIN = [n for n in ("onednn", "reference") if n in available_backends()]
+
+
+def _conv_add(backend: Backend, case: ConvCase, seed: int, fused: bool, *, channels_last: bool = False,
+              qrange: tuple[int, int] = (0, 255)) -> tuple[Any, ...]:
+    """``conv(x) + accum`` on ``backend``, as its ``conv_add`` or as its separate conv and add; dequantized."""
+    layer = conv_layer(case, qrange, seed)
+    y = float_conv(layer, case.spec)
+    q_acc, acc_qp = activation(tuple(y.shape), (0, 255), torch.Generator().manual_seed(seed + 1))
+    total = y + dequantize(q_acc, acc_qp)
+    qps = ConvAddQParams(layer.in_qp, output_qparams(y), acc_qp, affine_qparams(total.min(), total.max()))
+    packed = backend.prepack_conv(layer.q_w, layer.w_qp, layer.bias, case.spec, in_qp=layer.in_qp)
+    accum = backend.quantize(dequantize(q_acc, acc_qp), acc_qp)
+    if channels_last and accum.dim() == 4 and not accum.is_quantized:
+        accum = accum.contiguous(memory_format=torch.channels_last)
+    a = backend.quantize(layer.x, layer.in_qp)
+    if fused:
+        out = backend.conv_add(a, packed, accum, qps, relu=case.relu)
+    else:
+        conv = backend.conv(a, packed, qps.input, qps.conv, relu=False)
+        out = backend.add(conv, accum, qps.conv, qps.accum, qps.out, relu=case.relu)
+    return backend.dequantize(out, qps.out), qps.out
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_conv_add_matches_the_reference(name: str) -> None:
+    backend = get_backend(name)
+
+    @CONTRACT
+    @given(case=conv_cases(2), seed=st.integers(0, 2**16), channels_last=st.booleans())
+    def check(case: ConvCase, seed: int, channels_last: bool) -> None:
+        qrange = backend.activation_qrange(feeds_grouped_conv=case.spec.groups > 1)
+        got, out_qp = _conv_add(backend, case, seed, True, channels_last=channels_last, qrange=qrange)
+        want, _ = _conv_add(reference_backend(), case, seed, backend.fuses_conv_add, channels_last=channels_last,
+                            qrange=qrange)
+        assert got.shape == want.shape
+        lsb = steps(got, want, out_qp)
+        assert lsb <= 1, f"{name} conv_add is {lsb} LSB away from the reference for {case}"
+
+    check()
+
+
+def test_reference_conv_add_rounds_once() -> None:
+    """The fused reference is the exact sum rounded once: within half a step of the float computation."""
+    spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
+    case = ConvCase(spec, 2, 5, 6, (3, 3), (7, 6), True, True, False)
+    got, out_qp = _conv_add(reference_backend(), case, 3, True)
+    layer = conv_layer(case, (0, 255), 3)
+    y = float_conv(layer, spec)
+    q_acc, acc_qp = activation(tuple(y.shape), (0, 255), torch.Generator().manual_seed(4))
+    exact = y + dequantize(q_acc, acc_qp).double()
+    error = float((got.double() - exact).abs().max()) / float(out_qp.scale)
+    assert error <= 0.5 + 1e-6, f"fused reference is {error:.3f} steps from the exact sum"
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@CONTRACT
+@given(lead=st.sampled_from(((1,), (3, 17), (2, 5, 4))), k=st.sampled_from((2, 7, 64)), n=st.integers(1, 40),
+       relu=st.booleans(), seed=st.integers(0, 2**16))
+def test_linear_to_float_matches_the_reference(name: str, lead: tuple[int, ...], k: int, n: int, relu: bool,
+                                               seed: int) -> None:
+    backend, ref = get_backend(name), reference_backend()
+    layer = make_layer((*lead, k), (n, k), qrange=backend.activation_qrange(feeds_grouped_conv=False),
+                       per_channel=bool(seed % 2), bias=True, seed=seed)
+    y = torch.nn.functional.linear(layer.x.double(), layer.w.double(), layer.bias.double())  # type: ignore[union-attr]
+    out_qp = output_qparams(y)
+
+    def run(b: Backend) -> torch.Tensor:
+        packed = b.prepack_linear(layer.q_w, layer.w_qp, layer.bias)
+        return b.linear_to_float(b.quantize(layer.x, layer.in_qp), packed, layer.in_qp, out_qp, relu=relu)
+
+    got = run(backend)
+    assert got.dtype == torch.float32 and got.shape == (*lead, n)
+    if backend.fuses_float_output:  # unrounded: far closer than the half step a rounding would add
+        error = float((got.double() - run(ref).double()).abs().max()) / float(out_qp.scale)
+        # plus half an accumulator step: oneDNN adds the float bias, the reference rounds it to int32 first
+        bias_rounding = 0.5 * float(layer.in_qp.scale) * float(layer.w_qp.scale.max()) / float(out_qp.scale)
+        assert error <= 0.05 + bias_rounding, f"{name} float linear is {error:.3f} steps from the reference"
+    else:
+        want = ref.dequantize(ref.linear(ref.quantize(layer.x, layer.in_qp), ref.prepack_linear(
+            layer.q_w, layer.w_qp, layer.bias), layer.in_qp, out_qp, relu=relu), out_qp)
+        assert steps(got, want, out_qp) <= 1
+
+
+POOLS: list[tuple[int, dict[str, Any]]] = [
+    (1, {"kernel_size": 3}),
+    (1, {"kernel_size": 2, "stride": 1, "padding": 1, "dilation": 2, "ceil_mode": True}),
+    (2, {"kernel_size": 3, "stride": 2, "padding": 1}),
+    (2, {"kernel_size": (2, 3), "stride": (1, 2), "padding": (1, 0), "dilation": (2, 1), "ceil_mode": True}),
+    (2, {"kernel_size": 2, "stride": None}),
+]
+
+
+@pytest.mark.parametrize("name", PLAIN)
+@pytest.mark.parametrize(("dim", "kwargs"), POOLS)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "unbatched"])
+def test_max_pool_is_exact(name: str, dim: int, kwargs: dict[str, Any], layout: str) -> None:
+    """Max-pool is order-preserving, so every backend must give aten's max-pool of the integers exactly, more than
+    127 positions per channel included (where aten's channels-last uint8 kernel refuses)."""
+    q = torch.randint(0, 256, (2, 5, *([13] * dim)), dtype=torch.uint8, generator=torch.Generator().manual_seed(dim))
+    if layout == "channels_last" and dim == 2:
+        q = q.contiguous(memory_format=torch.channels_last)
+    if layout == "unbatched":
+        q = q[0]
+    qp = QParams(torch.tensor(0.1), torch.tensor(3), 0, 255)
+    functional = torch.nn.functional.max_pool1d if dim == 1 else torch.nn.functional.max_pool2d
+    want = functional(q.float().contiguous(), **kwargs).to(torch.uint8)
+    got = get_backend(name).max_pool(q, qp, dim, kwargs)
+    assert got.dtype == torch.uint8 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", PLAIN)
+@given(shape=st.lists(st.integers(0, 9), min_size=1, max_size=5), seed=st.integers(0, 2**16),
+       signed=st.booleans())
+@CONTRACT
+def test_quantize_equals_the_qparams_formula(name: str, shape: list[int], seed: int, signed: bool) -> None:
+    """The in-place, chunked quantize is ``qparams.quantize`` exactly; 4-d inputs come out channels-last on
+    backends that compute in that layout."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen) * 5
+    qp = QParams(torch.tensor(0.01 + float(torch.rand((), generator=gen))),
+                 torch.tensor(-3 if signed else 121), *((-128, 127) if signed else (0, 255)))
+    backend = get_backend(name)
+    got = backend.quantize(x, qp)
+    assert torch.equal(got, quantize(x, qp))
+    if x.dim() == 4 and x.numel() and getattr(backend, "channels_last", False):
+        assert got.is_contiguous(memory_format=torch.channels_last)
+
+
+_NO_WARNING_SCRIPT = """
+import sys, warnings
+import torch
+from fxquant.kernels.registry import get_backend
+from fxquant.qparams import QParams
+backend = get_backend(sys.argv[1])
+qp = QParams(torch.tensor(0.1), torch.tensor(3), 0, 255)
+warnings.simplefilter("error")
+q = backend.quantize(torch.randn(2, 4, 20, 20), qp)
+backend.dequantize(backend.max_pool(q, qp, 2, {"kernel_size": 3, "stride": 2, "padding": 1}), qp)
+"""
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_max_pool_and_quantize_emit_no_warning(name: str) -> None:
+    """``quantized::max_pool2d`` on plain uint8 touches no deprecated dtype: a fresh process sees no warning."""
+    child = subprocess.run([sys.executable, "-c", _NO_WARNING_SCRIPT, name], capture_output=True, text=True,
+                           timeout=120, cwd=str(Path(__file__).parent))
+    assert child.returncode == 0, child.stderr[-3000:]
