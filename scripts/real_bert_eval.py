@@ -286,6 +286,22 @@ def latency(bench: Bench, models: dict[str, Callable[..., Any]]) -> None:
         print(f"  {name}: {stats.median:.2f} ms ({base / stats.median:.2f}x FP32)")
 
 
+def target_rows(bench: Bench, backend: str) -> None:
+    """Issue 8's target: >= 0.995 mean cosine with every Linear INT8, at a latency well under FP32's."""
+    models: dict[str, Callable[..., Any]] = {"FP32": bench.model}
+    for alpha in (None, "auto", 0.7):
+        qmodel = fxquant.convert(bench.calibrated(QuantConfig(smoothquant_alpha=alpha)), backend=backend)
+        layers = fxquant.coverage(qmodel)
+        int8 = sum(1 for r in layers.layers if r.kind == "Linear" and r.quantized)
+        total = sum(1 for r in layers.layers if r.kind == "Linear")
+        name = f"fxquant {backend}, SmoothQuant alpha={alpha}"
+        row(name, bench.cosine(qmodel), f"{int8}/{total} Linear INT8")
+        models[name] = qmodel
+    models["torch.ao dynamic"] = torch.ao.quantization.quantize_dynamic(copy.deepcopy(bench.model), {nn.Linear})
+    row("torch.ao dynamic (peer)", bench.cosine(models["torch.ao dynamic"]), "")
+    latency(bench, models)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--alphas", default="0.5,0.8,auto", help="SmoothQuant alphas, numbers or 'auto' "
@@ -293,6 +309,10 @@ def main() -> None:
     parser.add_argument("--only-simulation", action="store_true", help="only the fake-quant diagnosis rows")
     parser.add_argument("--only-auto", action="store_true", help="only the simulation rows without rounded outputs "
                         "and SmoothQuant auto, in fake-quant and in fxquant (the rows of issue 8's per-layer alpha)")
+    parser.add_argument("--target", action="store_true", help="only issue 8's target rows: every Linear INT8 on "
+                        "--backend, plain / SmoothQuant auto / alpha 0.7, with latency against FP32 and torch.ao "
+                        "dynamic (~5 minutes)")
+    parser.add_argument("--backend", default="onednn", help="backend of the --target rows (default: onednn)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     torch.manual_seed(0)
@@ -302,6 +322,10 @@ def main() -> None:
     alphas = tuple(a if a == "auto" else float(a) for a in args.alphas.split(","))
     if args.only_auto:
         auto_rows(bench)
+        return
+    if args.target:
+        target_rows(bench, args.backend)
+        print(f"\n({time.perf_counter() - started:.0f} s)")
         return
     simulated_rows(bench)
     if args.only_simulation:
