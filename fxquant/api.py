@@ -168,8 +168,8 @@ def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = 
     return gm
 
 
-def convert(prepared: fx.GraphModule, *, backend: str | None = None,
-            keep_float: Collection[str] = ()) -> fx.GraphModule:
+def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float: Collection[str] = (),
+            example_inputs: tuple[Any, ...] | None = None) -> fx.GraphModule:
     """Replace observed Linear/Conv/add nodes with INT8 modules running on ``backend`` (default: the config's).
 
     ``keep_float`` (fnmatch patterns on module paths, like ``QuantConfig.exclude``) keeps those layers float without
@@ -177,10 +177,12 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None,
     bias correction are applied here (see :func:`apply_statistics`).
 
     ``backend="auto"`` measures the available kernels on this CPU on each layer's real shapes (see
-    :mod:`fxquant.auto`); ``fxquant.coverage`` shows the backend each layer got. Raises ``CalibrationError``
-    listing the observers that saw no data. ``prepared`` is left unchanged. Example::
+    :mod:`fxquant.auto`); ``fxquant.coverage`` shows the backend each layer got. The fastest kernel depends on the
+    batch size (fbgemm leads at batch 1, oneDNN at 32 on AMX CPUs), so pass ``example_inputs`` shaped like your
+    deployment batches; by default auto measures on random inputs shaped like prepare()'s ``example_inputs``. Raises
+    ``CalibrationError`` listing the observers that saw no data. ``prepared`` is left unchanged. Example::
 
-        qmodel = fxquant.convert(prepared, backend="fbgemm")
+        qmodel = fxquant.convert(prepared, backend="auto", example_inputs=(torch.randn(32, 3, 224, 224),))
     """
     state = quant_state(prepared)
     if state.stage != "prepared":
@@ -190,16 +192,31 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None,
         raise CalibrationError(f"{len(empty)} observer(s) saw no data: {', '.join(empty)}. Run "
                                "fxquant.calibrate(prepared, data) with data that reaches them before convert().")
     name = backend or state.config.backend
+    if example_inputs is not None and name != "auto":
+        raise InputError(f"convert(example_inputs=...) sets the inputs backend='auto' measures kernels on; the "
+                         f"backend here is {name!r}. Drop example_inputs, or pass backend='auto'.")
     final = apply_statistics(prepared, keep_float=keep_float)
-    if name == "auto":
-        example = tuple(spec.make() for spec in state.example_inputs)
-        gm, _ = convert_auto(final, lambda g, b: _lower(g, state.config, b), example)
-    else:
-        gm = _lower(final, state.config, name)
+    gm = _convert_auto(final, state, example_inputs) if name == "auto" else _lower(final, state.config, name)
     statistics = {f"{name}.{key}": value.detach().clone()  # nested island observers too (fxquant.save needs all)
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics)
     return gm
+
+
+def _convert_auto(final: fx.GraphModule, state: QuantState, example_inputs: Any) -> fx.GraphModule:
+    """``backend="auto"`` on the user's timing inputs, or on random ones shaped like prepare()'s."""
+    def lower(gm: fx.GraphModule, backend: str) -> fx.GraphModule:
+        return _lower(gm, state.config, backend)
+
+    if example_inputs is None:
+        return convert_auto(final, lower, tuple(spec.make() for spec in state.example_inputs))[0]
+    example = _check_example_inputs(example_inputs)
+    try:
+        return convert_auto(final, lower, example)[0]
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:
+        raise InputError(f"convert(backend='auto', example_inputs=...): the model does not run on "
+                         f"{_describe(example)} ({type(error).__name__}: {str(error).splitlines()[0]}); pass inputs "
+                         "shaped like prepare()'s example_inputs, with your deployment batch size") from None
 
 
 def quantize(model: nn.Module, example_inputs: Any, data: Iterable[Any], config: QuantConfig | None = None, *,

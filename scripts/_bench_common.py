@@ -99,8 +99,10 @@ def fxquant_calibrated(workload: Workload, backend: str) -> fx.GraphModule:
     return prepared
 
 
-def fxquant_candidate(prepared: fx.GraphModule, backend: str) -> Candidate:
-    qmodel = fxquant.convert(prepared, backend=backend)
+def fxquant_candidate(prepared: fx.GraphModule, backend: str, timing: tuple[torch.Tensor, ...] | None = None
+                      ) -> Candidate:
+    """``timing``: the inputs ``backend="auto"`` measures kernels on (its deployment batch); None for the others."""
+    qmodel = fxquant.convert(prepared, backend=backend, example_inputs=timing)
     return Candidate(f"fxquant[{backend}]", qmodel, count_fxquant_qdq(qmodel))
 
 

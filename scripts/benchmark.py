@@ -94,6 +94,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="torch.profiler top-10 ops of the fastest fxquant and peer where a peer wins (1 thread)")
     parser.add_argument("--calib-batches", type=int, default=4, help="random calibration batches (default 4)")
     parser.add_argument("--calib-batch-size", type=int, default=8, help="samples per calibration batch")
+    parser.add_argument("--auto-batch", type=int, metavar="N", help="fxquant[auto] times its kernels on batch N "
+                        "(convert(..., example_inputs=...)); default: the model's example batch (1)")
     args = parser.parse_args(argv)
     args.time_budget = args.time_budget or (0.5 if args.quick else 6.0)
     args.models = args.models or (["mlp", "control_flow"] if args.quick else list(ZOO_MODELS))
@@ -128,7 +130,8 @@ def build_candidates(name: str, plan: Plan, args: argparse.Namespace, suite: Sui
     for backend in plan.backends:
         try:  # auto is prepared with QuantConfig(backend="auto"), as a user would; qparams are backend-independent
             source = fxquant_calibrated(workload, "auto") if backend == "auto" else prepared
-            candidates[f"fxquant:{backend}"] = fxquant_candidate(source, backend)
+            timing = example_inputs(name, args.auto_batch) if backend == "auto" and args.auto_batch else None
+            candidates[f"fxquant:{backend}"] = fxquant_candidate(source, backend, timing)
             if backend == "auto":  # its choice is measured at convert time, so it can differ between runs
                 suite.note(f"{name}: fxquant[auto] chose {auto_choices(candidates['fxquant:auto'])}")
         except FxQuantError as exc:

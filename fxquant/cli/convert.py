@@ -37,6 +37,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     convert = sub.add_parser("convert", parents=[common], help="convert a calibrated run to INT8")
     convert.add_argument("run_dir", metavar="RUN_DIR")
     convert.add_argument("--backend", help="fbgemm, qnnpack, onednn, reference or auto (default: the config's)")
+    convert.add_argument("--example-inputs", metavar="SPEC",
+                         help="backend auto only: the inputs it times kernels on, shaped like your deployment "
+                              "batches (32x3x224x224, or PKG.MODULE:FUNCTION; default: shaped like prepare's)")
     budget = convert.add_argument_group("accuracy budget (keep the fewest layers float that meet it)")
     budget.add_argument("--max-accuracy-drop", type=_points, metavar="PTS",
                         help="metric points the INT8 model may lose (top1/top5: percentage points, 0.5 = half a "
@@ -75,6 +78,9 @@ def _convert(args: argparse.Namespace) -> int:
         if given:
             raise InputError(f"{' and '.join(given)} only serve --max-accuracy-drop; add it, or drop them")
         return _plain(args)
+    if args.example_inputs:
+        raise InputError("--example-inputs only serves a plain convert with --backend auto; the accuracy-budget "
+                         "search converts with the config's backend. Drop it, or drop --max-accuracy-drop")
     missing = [flag for flag, value in (("--eval-data", args.eval_data), ("--data", args.data)) if not value]
     if missing:
         raise InputError(f"--max-accuracy-drop needs {' and '.join(missing)}: the data the metric is measured on "
@@ -87,7 +93,8 @@ def _plain(args: argparse.Namespace) -> int:
 
     directory, manifest = open_run(args.run_dir, needs="calibrated")
     _, prepared = rebuild_run(directory, manifest, stage="calibrated")
-    quantized = convert(prepared, backend=args.backend)
+    timing = parse_example_inputs(args.example_inputs) if args.example_inputs else None
+    quantized = convert(prepared, backend=args.backend, example_inputs=timing)
     _write(args, prepared, quantized, extra={})
     return 0
 

@@ -110,15 +110,21 @@ def test_budget_missed_writes_the_closest_model_and_exits_3(budget_setup: Path) 
     (("--max-accuracy-drop", "abc"), "expected a number of metric points >= 0"),
     (("--max-accuracy-drop", "0.5"), "--max-accuracy-drop needs --eval-data and --data"),
     (("--eval-data", "test.npz"), "--eval-data only serve --max-accuracy-drop"),
+    (("--example-inputs", "32x1x8x8"), "the backend here is 'fbgemm'. Drop example_inputs, or pass backend='auto'"),
+    (("--backend", "auto", "--example-inputs", "32x1x9"), "the model does not run on Tensor(32, 1, 9)"),
 ])
 def test_bad_budget_input_is_one_line_and_leaves_the_run(budget_setup: Path, extra: tuple[str, ...],
                                                          needle: str) -> None:
-    run = budget_setup / "missed" if (budget_setup / "missed").exists() else _calibrated_run(budget_setup, "bad")
+    run = budget_setup / "bad"
+    if not run.exists():  # one calibrated run serves every case: each must leave it unchanged
+        _calibrated_run(budget_setup, "bad")
     before = snapshot(run)
     outcome = run_cli("--quiet", "convert", str(run), *extra)
     assert outcome.returncode == 2, outcome.stderr
     assert needle in error_line(outcome, "convert")
-    assert len(outcome.stderr.strip().splitlines()) == 1, outcome.stderr
+    # one error line; auto lowering for fbgemm may precede it with the once-per-process deprecation note (a warning)
+    lines = [line for line in outcome.stderr.strip().splitlines() if not line.startswith("note: ")]
+    assert len(lines) == 1, outcome.stderr
     assert snapshot(run) == before
 
 
@@ -127,3 +133,11 @@ def test_bad_metric_subprocess_exits_2(budget_setup: Path) -> None:
     result: subprocess.CompletedProcess[str] = run_cli(*_budget_args(budget_setup, run, "0.5", "--metric", "top7"))
     assert result.returncode == 2
     assert "unknown metric 'top7'" in error_line(result, "convert")
+
+
+def test_auto_backend_times_kernels_on_the_given_deployment_batch(budget_setup: Path) -> None:
+    run = _calibrated_run(budget_setup, "auto")
+    result = run_cli("--json", "convert", str(run), "--backend", "auto", "--example-inputs", "32x1x8x8")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["backend"] == "auto"
+    assert _report_drop_points(budget_setup, run) < 50  # a working INT8 model (the per-tensor digits CNN loses ~11)
