@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
-from collections.abc import Callable, Iterable
 from typing import Any
 
-import torch
-from torch import fx, nn
+from torch import fx
 
 from fxquant.cli.common import data_options, emit, positive_int
 from fxquant.cli.data import DataOptions, load_data
 from fxquant.cli.rundir import Source, advance, open_run, rebuild_run
-from fxquant.cli.specs import load_object, parse_example_inputs
+from fxquant.cli.specs import metric_spec, parse_example_inputs
 from fxquant.errors import InputError
 
 EXIT_BUDGET_MISSED = 3
@@ -123,36 +122,6 @@ def _write(args: argparse.Namespace, prepared: fx.GraphModule, quantized: fx.Gra
           **extra})
 
 
-def metric_eval_fn(data: Iterable[Any], metric: Any, params: list[str]) -> Callable[[nn.Module], float]:
-    """``model -> metric`` over every batch of ``data`` (sample-weighted mean), what the search scores models by."""
-    from fxquant.calibration.adapters import batch_size_of, to_call_args
-    from fxquant.report.metrics import WeightedMean, metric_value, split_batch
-
-    @torch.inference_mode()
-    def score(model: nn.Module) -> float:
-        mean = WeightedMean()
-        for batch in data:
-            inputs, target = split_batch(batch, metric.needs_target)
-            args, kwargs = to_call_args(inputs, params)
-            samples = len(target) if isinstance(target, torch.Tensor) and target.dim() else batch_size_of(args,
-                                                                                                          kwargs)
-            mean.add(metric_value(metric, model(*args, **kwargs), target), samples)
-        if not mean.weight:
-            raise InputError("--eval-data yielded no batch")
-        return mean.mean
-
-    return score
-
-
-def _metric(name: str) -> Any:
-    if ":" not in name:
-        return name
-    metric = load_object(name, "--metric")
-    if not callable(metric):
-        raise InputError(f"--metric {name!r} is not callable")
-    return metric
-
-
 def _eval_options(args: argparse.Namespace) -> DataOptions:
     columns = tuple(c.strip() for c in args.eval_columns.split(",") if c.strip()) if args.eval_columns else ()
     return DataOptions(args.eval_data, args.eval_batch_size, columns, None, "test")
@@ -162,12 +131,14 @@ def _within_budget(args: argparse.Namespace) -> int:
     from fxquant.api import convert
     from fxquant.calibration.adapters import forward_parameters
     from fxquant.fallback import quantize_within_budget
+    from fxquant.report.evaluate import score
     from fxquant.report.metrics import resolve_metric
 
     directory, manifest = open_run(args.run_dir, needs="calibrated")
     model, prepared = rebuild_run(directory, manifest, stage="calibrated")
-    metric = resolve_metric(_metric(args.metric))  # the same names and specs as fxquant report
-    eval_fn = metric_eval_fn(load_data(_eval_options(args)), metric, forward_parameters(prepared)[0])
+    metric = resolve_metric(metric_spec(args.metric))  # the same names and specs as fxquant report
+    eval_fn = functools.partial(score, data=load_data(_eval_options(args)), metric=metric,
+                                params=forward_parameters(prepared)[0])
     calibration = load_data(data_options(args))
     example = parse_example_inputs(Source.from_manifest(directory, manifest).example_inputs)
     budget = args.max_accuracy_drop / metric.points_per_unit
@@ -178,16 +149,17 @@ def _within_budget(args: argparse.Namespace) -> int:
     result = qmodel.meta["fxquant_fallback"]
     assert result.prepared is not None
     written = convert(result.prepared)  # what RUN_DIR rebuilds: no convert-time keep_float
-    score = eval_fn(written)
-    drop_points = (result.float_metric - score) * metric.points_per_unit
+    written_metric = eval_fn(written)
+    drop_points = (result.float_metric - written_metric) * metric.points_per_unit
     met = drop_points <= args.max_accuracy_drop + 1e-9
     verdict = (f"budget met: {metric.name} drop {drop_points:.3f} points <= {args.max_accuracy_drop:g}" if met else
                f"budget NOT met: the closest model found drops {metric.name} by {drop_points:.3f} points "
                f"(> {args.max_accuracy_drop:g}); it is written all the same")
-    table = "" if args.json else f"{result.to_markdown()}\n\nwritten to RUN_DIR: {metric.name} {score:.4f}; {verdict}\n"
+    written_line = f"written to RUN_DIR: {metric.name} {written_metric:.4f}; {verdict}"
+    table = "" if args.json else f"{result.to_markdown()}\n\n{written_line}\n"
     float_layers = list(result.float_layers)
     _write(args, result.prepared, written, text=table,
            extra={"max_accuracy_drop": args.max_accuracy_drop, "metric": metric.name, "met_budget": met,
-                  "float_metric": result.float_metric, "int8_metric": score, "drop_points": drop_points,
+                  "float_metric": result.float_metric, "int8_metric": written_metric, "drop_points": drop_points,
                   "float_layers": float_layers, "trials": len(result.trials)})
     return 0 if met else EXIT_BUDGET_MISSED

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from fxquant.cli.common import add_data_arguments, data_options, emit, positive_int
 from fxquant.cli.data import load_data
 from fxquant.cli.rundir import open_run, rebuild_run
-from fxquant.cli.specs import load_object
+from fxquant.cli.specs import metric_spec
 from fxquant.errors import InputError
 from fxquant.serialization import atomic_write
 
@@ -40,21 +39,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     regress.set_defaults(handler=_regress)
 
 
-def _metric(name: str) -> Any:
-    if ":" not in name:
-        return name
-    metric = load_object(name, "--metric")
-    if not callable(metric):
-        raise InputError(f"--metric {name!r} is not callable")
-    return metric
-
-
 def _report(args: argparse.Namespace) -> int:
     from fxquant.report.build import report
 
     directory, manifest = open_run(args.run_dir, needs="converted")
     data = load_data(data_options(args))
-    metric = _metric(args.metric)
+    metric = metric_spec(args.metric)
     float_model, quantized = rebuild_run(directory, manifest)
     result = report(float_model, quantized, data, metric=metric, progress=not args.quiet, max_batches=args.batches,
                     threads=args.threads, latency_budget_s=args.latency_budget)

@@ -75,3 +75,13 @@ def parse_example_inputs(spec: str) -> tuple[Any, ...]:
                          "(comma-separate several inputs, or give PKG.MODULE:FUNCTION)")
     generator = torch.Generator().manual_seed(0)
     return tuple(torch.randn(*map(int, s.split("x")), generator=generator) for s in shapes)
+
+
+def metric_spec(name: str) -> Any:
+    """``--metric``: a built-in metric name (``top1``, ``top5``) as is, or the callable ``PKG.MODULE:FUNCTION``."""
+    if ":" not in name:
+        return name
+    metric = load_object(name, "--metric")
+    if not callable(metric):
+        raise InputError(f"--metric {name!r} is not callable")
+    return metric

@@ -145,6 +145,22 @@ def _within(out: torch.Tensor, qp: QParams) -> torch.Tensor:
     return out.clamp_(qp.qmin, qp.qmax)
 
 
+def _qconv(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[float, int, torch.dtype],
+           relu: bool) -> torch.Tensor:
+    """``onednn::qconv_pointwise`` on channels-last input; ``output``: (scale, zero point, dtype) of the result."""
+    x_scale, x_zp = in_qp.scalar()
+    a, padding, one_column = _safe_input(a, w, x_zp)
+    if a.dim() == 4:
+        a = a.contiguous(memory_format=torch.channels_last)
+    spec = w.spec
+    assert spec is not None
+    out = torch.ops.onednn.qconv_pointwise(
+        a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, list(spec.stride), padding,
+        list(spec.dilation), spec.groups, *output, "relu" if relu else "none", [], "",
+    )
+    return out[..., :1] if one_column else out
+
+
 @register_backend("onednn")
 class OnednnBackend(PlainInt8Backend):
     """x86 oneDNN kernels (VNNI, AMX) on plain int8 tensors; element-wise ops run in float32 for speed."""
@@ -210,34 +226,13 @@ class OnednnBackend(PlainInt8Backend):
 
     def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
              relu: bool) -> torch.Tensor:
-        w: OnednnWeight = packed.payload
-        (x_scale, x_zp), (out_scale, out_zp) = in_qp.scalar(), out_qp.scalar()
-        a, padding, one_column = _safe_input(a, w, x_zp)
-        if a.dim() == 4:
-            a = a.contiguous(memory_format=torch.channels_last)
-        spec = w.spec
-        assert spec is not None
-        out = torch.ops.onednn.qconv_pointwise(
-            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, list(spec.stride), padding,
-            list(spec.dilation), spec.groups, out_scale, out_zp, torch.uint8, "relu" if relu else "none", [], "",
-        )
-        return _within(out[..., :1] if one_column else out, out_qp)
+        out_scale, out_zp = out_qp.scalar()
+        return _within(_qconv(a, packed.payload, in_qp, (out_scale, out_zp, torch.uint8), relu), out_qp)
 
     def conv_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                       relu: bool) -> torch.Tensor:
         """``qconv_pointwise`` with ``output_dtype`` float32, scale 1, zero point 0: the unrounded float result."""
-        w: OnednnWeight = packed.payload
-        x_scale, x_zp = in_qp.scalar()
-        a, padding, one_column = _safe_input(a, w, x_zp)
-        if a.dim() == 4:
-            a = a.contiguous(memory_format=torch.channels_last)
-        spec = w.spec
-        assert spec is not None
-        out = torch.ops.onednn.qconv_pointwise(
-            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, list(spec.stride), padding,
-            list(spec.dilation), spec.groups, 1.0, 0, torch.float32, "relu" if relu else "none", [], "",
-        )
-        return out[..., :1] if one_column else out
+        return _qconv(a, packed.payload, in_qp, (1.0, 0, torch.float32), relu)
 
     def conv_add(self, a: torch.Tensor, packed: PackedWeight, accum: torch.Tensor, qps: ConvAddQParams, *,
                  relu: bool) -> torch.Tensor:

@@ -64,6 +64,26 @@ def _run(model: nn.Module, index: int, inputs: CallArgs, which: str) -> Any:
         raise InputError(f"evaluation batch {index} does not fit the {which} model: {reason}") from exc
 
 
+def _samples(target: Any, call: CallArgs) -> int:
+    """The batch's weight in the metric's mean: the number of targets, else the inputs' batch size."""
+    return len(target) if isinstance(target, torch.Tensor) and target.dim() else batch_size_of(*call)
+
+
+@torch.inference_mode()
+def score(model: nn.Module, data: Iterable[Any], metric: Metric, params: list[str]) -> float:
+    """``metric`` of ``model`` over every batch of ``data`` (sample-weighted mean), dict batches bound to the
+    forward parameter names ``params``: what the accuracy-budget search ranks models by. Errors as in
+    :func:`evaluate`."""
+    mean = WeightedMean()
+    for index, batch in enumerate(iterate_batches(data)):
+        inputs, target = split_batch(batch, metric.needs_target)
+        call = to_call_args(inputs, params)
+        mean.add(metric_value(metric, _run(model, index, call, "evaluated"), target), _samples(target, call))
+    if not mean.weight:
+        raise InputError("eval_data yielded no batch; pass a non-empty iterable of (inputs, target) batches")
+    return mean.mean
+
+
 @torch.inference_mode()
 def evaluate(float_model: nn.Module, quantized: fx.GraphModule, data: Iterable[Any], plan: EvalPlan,
              probe: LayerProbe | None = None) -> Evaluation:
@@ -82,7 +102,7 @@ def evaluate(float_model: nn.Module, quantized: fx.GraphModule, data: Iterable[A
             first = first or call
             outputs = {"float": _run(float_model, index, call, "float"),
                        "quantized": _run(quantized, index, call, "quantized")}
-            samples = len(target) if isinstance(target, torch.Tensor) and target.dim() else batch_size_of(*call)
+            samples = _samples(target, call)
             for name, out in outputs.items():
                 scores[name].add(metric_value(plan.metric, out, target), samples)
             meter.update(outputs["float"], outputs["quantized"], samples)

@@ -141,3 +141,16 @@ def test_auto_backend_times_kernels_on_the_given_deployment_batch(budget_setup: 
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["backend"] == "auto"
     assert _report_drop_points(budget_setup, run) < 50  # a working INT8 model (the per-tensor digits CNN loses ~11)
+
+
+def test_eval_batches_the_model_cannot_take_are_one_line(budget_setup: Path) -> None:
+    """Columns swapped: the search feeds labels to the CNN, which must end as one line naming the batch."""
+    run = _calibrated_run(budget_setup, "swapped")
+    before = snapshot(run)
+    args = [a if a != "images,labels" else "labels,images" for a in _budget_args(budget_setup, run, "0.5")]
+    outcome = run_cli(*args)
+    assert outcome.returncode == 2, outcome.stderr
+    assert "evaluation batch 0 does not fit the evaluated model" in error_line(outcome, "convert")
+    assert [line for line in outcome.stderr.strip().splitlines() if not line.startswith("note: ")] == \
+        [error_line(outcome, "convert")]
+    assert snapshot(run) == before
