@@ -71,7 +71,7 @@ def _unrounded_observers(prepared: fx.GraphModule, kernel: Backend) -> set[str]:
 
     converted = convert(prepared, backend=kernel.name)
     fused = {path for path, m in converted.named_modules()
-             if isinstance(m, QuantizedConvAdd2d) or getattr(m, "float_output", False)}
+             if isinstance(m, QuantizedConvAdd2d) or getattr(m, "float_output", False) or getattr(m, "unary", None)}
     observers = (only_user(n) for n in prepared.graph.nodes if n.op == "call_module" and str(n.target) in fused)
     return {str(observer.target) for observer in observers if observer is not None}
 

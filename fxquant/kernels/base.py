@@ -52,6 +52,16 @@ def same_grid(a: QParams, b: QParams) -> bool:
     return a is b or (a.scalar() == b.scalar() and (a.qmin, a.qmax) == (b.qmin, b.qmax))
 
 
+# Float functions a Linear/Conv can apply to its float result before rounding to the next int8 value, by name
+# (``Backend.linear_unary``): EfficientNet's SiLU, MobileNetV3's hardswish, BERT's GELU.
+UNARY_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": torch.nn.functional.silu,
+    "hardswish": torch.nn.functional.hardswish,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+}
+
+
 @dataclass
 class PackedWeight:
     """Backend-specific prepacked weights plus the backend that packed them (packing is engine-bound)."""
@@ -82,6 +92,10 @@ class Backend(ABC):
     # and GELU inputs, the FFN output feeding a float residual add).
     fuses_float_output: ClassVar[bool] = False
     fuses_float_conv_output: ClassVar[bool] = False
+    # The ``UNARY_FUNCTIONS`` a Linear (Conv) kernel applies to its float result before the one rounding to the
+    # output: convert folds ``quantize(f(layer(x)))`` into one ``linear_unary`` (``conv_unary``) call only for these.
+    fused_linear_unary: ClassVar[frozenset[str]] = frozenset()
+    fused_conv_unary: ClassVar[frozenset[str]] = frozenset()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Backend:
         return self  # backends are stateless shared instances; copying a model must not copy them
@@ -131,6 +145,19 @@ class Backend(ABC):
                       relu: bool) -> torch.Tensor:
         """``linear_to_float`` for a Conv (same default: round to ``out_qp``, then dequantize)."""
         return self.dequantize(self.conv(a, packed, in_qp, out_qp, relu=relu), out_qp)
+
+    def linear_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
+                     unary_qp: QParams) -> torch.Tensor:
+        """``UNARY_FUNCTIONS[unary]`` of the Linear's result, quantized to ``unary_qp``; ``out_qp`` is the Linear's
+        own output qparams. This default is the unfused sequence: ``linear_to_float``, the function, a quantize."""
+        return self.quantize(UNARY_FUNCTIONS[unary](self.linear_to_float(a, packed, in_qp, out_qp, relu=False)),
+                             unary_qp)
+
+    def conv_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
+                   unary_qp: QParams) -> torch.Tensor:
+        """``linear_unary`` for a Conv."""
+        return self.quantize(UNARY_FUNCTIONS[unary](self.conv_to_float(a, packed, in_qp, out_qp, relu=False)),
+                             unary_qp)
 
     def conv_add(self, a: torch.Tensor, packed: PackedWeight, accum: torch.Tensor, qps: ConvAddQParams, *,
                  relu: bool) -> torch.Tensor:

@@ -14,9 +14,9 @@ Conventions, checked against the op schemas of torch 2.13 and numerically agains
 
 What does not work, measured with torch 2.13 (see ``tests/kernels/test_onednn_backend.py``):
 
-* conv3d gives wrong results (whole output rows off by up to 255 steps) for common geometries such as a 2x2x2
-  kernel with stride (1, 1, 2), can crash the process on small inputs, and has no ReLU post-op. It raises
-  :class:`BackendUnavailableError`; 1d (run as 2d by the op) and 2d are fine.
+* conv3d on an input of depth 1 that is padded in depth comes out wrong (every output off by up to 255 steps, at
+  any batch size; a 2x2x2 or 3x3x3 kernel with padding 1): such inputs are padded explicitly, as below. conv3d has
+  no ReLU post-op: its ReLU is a clamp at the output zero point after the op. 1d runs as 2d inside the op.
 * When some output reads padding only (padding past the dilated kernel, or an input smaller than the dilation gaps),
   depthwise convs with a channel multiplier come out wrong and grouped convs on tiny inputs can crash the process.
   Those inputs are padded explicitly with the zero point and run unpadded: the same convolution, one copy slower;
@@ -41,14 +41,17 @@ import torch
 import torch.nn.functional as F
 
 from fxquant.cpu import has_vnni
-from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import ConvAddQParams, ConvSpec, PackedWeight
 from fxquant.kernels.plain_int8 import PlainInt8Backend, weight_scale
 from fxquant.kernels.registry import register_backend
 from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 
 _OPS = ("qlinear_prepack", "qlinear_pointwise", "qconv_prepack", "qconv_pointwise")
-_SUPPORTED_CONV_DIMS = (1, 2)
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+# fxquant's unary names -> the ops' (post-op, algorithm); both ops round once after it (checked against the
+# reference: within one step). qconv has no GELU post-op, conv3d no post-op at all.
+_POST_OPS = {"silu": ("swish", ""), "hardswish": ("hardswish", ""), "gelu": ("gelu", "none"),
+             "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", ""), "none": ("none", "")}
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ def _safe_input(a: torch.Tensor, w: OnednnWeight, zero_point: int) -> tuple[torc
     spec = w.spec
     padding = list(spec.padding)
     geometry = zip(a.shape[2:], w.kernel, spec.stride, spec.padding, spec.dilation, strict=True)
-    if any(_sees_only_padding(*dims) for dims in geometry):
+    depth_one = spec.dim == 3 and a.shape[2] == 1 and padding[0] > 0
+    if depth_one or any(_sees_only_padding(*dims) for dims in geometry):
         a = F.pad(a, [p for pad in reversed(padding) for p in (pad, pad)], value=zero_point)
         padding = [0] * spec.dim
     stride, extent = spec.stride[-1], spec.dilation[-1] * (w.kernel[-1] - 1) + 1
@@ -146,19 +150,38 @@ def _within(out: torch.Tensor, qp: QParams) -> torch.Tensor:
 
 
 def _qconv(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[float, int, torch.dtype],
-           relu: bool) -> torch.Tensor:
-    """``onednn::qconv_pointwise`` on channels-last input; ``output``: (scale, zero point, dtype) of the result."""
+           post_op: str) -> torch.Tensor:
+    """``onednn::qconv_pointwise`` on channels-last input; ``output``: (scale, zero point, dtype) of the result;
+    ``post_op``: a ``_POST_OPS`` name applied to the float result before that."""
     x_scale, x_zp = in_qp.scalar()
     a, padding, one_column = _safe_input(a, w, x_zp)
-    if a.dim() == 4:
-        a = a.contiguous(memory_format=torch.channels_last)
+    if a.dim() in _CHANNELS_LAST:
+        a = a.contiguous(memory_format=_CHANNELS_LAST[a.dim()])
     spec = w.spec
     assert spec is not None
+    clamp_after = post_op == "relu" and spec.dim == 3  # conv3d takes no post-op: its ReLU is a clamp after
+    attr, algorithm = _POST_OPS["none" if clamp_after else post_op]
     out = torch.ops.onednn.qconv_pointwise(
         a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, list(spec.stride), padding,
-        list(spec.dilation), spec.groups, *output, "relu" if relu else "none", [], "",
+        list(spec.dilation), spec.groups, *output, attr, [], algorithm,
     )
+    if clamp_after:
+        out = out.clamp_(min=output[1])  # real zero is the output zero point (0 for a float output)
     return out[..., :1] if one_column else out
+
+
+def _relu(relu: bool) -> str:
+    return "relu" if relu else "none"
+
+
+def _qlinear(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[float, int, torch.dtype],
+             post_op: str) -> torch.Tensor:
+    """``onednn::qlinear_pointwise``; ``output`` and ``post_op`` as for ``_qconv``."""
+    x_scale, x_zp = in_qp.scalar()
+    attr, algorithm = _POST_OPS[post_op]
+    return torch.ops.onednn.qlinear_pointwise(
+        a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, *output, attr, [], algorithm,
+    )
 
 
 @register_backend("onednn")
@@ -170,7 +193,9 @@ class OnednnBackend(PlainInt8Backend):
     fuses_conv_add = True
     fuses_float_output = True
     fuses_float_conv_output = True
-    fallback = "reference"  # same plain-uint8 activations: a layer oneDNN cannot run (conv3d) needs no conversion
+    fused_linear_unary = frozenset({"silu", "hardswish", "gelu", "gelu_tanh"})
+    fused_conv_unary = frozenset({"silu", "hardswish"})
+    fallback = "reference"  # same plain-uint8 activations: a layer oneDNN cannot run needs no conversion
 
     @classmethod
     def is_available(cls) -> bool:
@@ -191,32 +216,22 @@ class OnednnBackend(PlainInt8Backend):
 
     def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                relu: bool) -> torch.Tensor:
-        w: OnednnWeight = packed.payload
-        (x_scale, x_zp), (out_scale, out_zp) = in_qp.scalar(), out_qp.scalar()
-        out = torch.ops.onednn.qlinear_pointwise(
-            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, out_scale, out_zp, torch.uint8,
-            "relu" if relu else "none", [], "",
-        )
-        return _within(out, out_qp)
+        out_scale, out_zp = out_qp.scalar()
+        return _within(_qlinear(a, packed.payload, in_qp, (out_scale, out_zp, torch.uint8), _relu(relu)), out_qp)
 
     def linear_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                         relu: bool) -> torch.Tensor:
         # output_dtype float32 with scale 1 / zero point 0: the float result, no uint8 write and dequantize
-        w: OnednnWeight = packed.payload
-        x_scale, x_zp = in_qp.scalar()
-        return torch.ops.onednn.qlinear_pointwise(
-            a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, 1.0, 0, torch.float32,
-            "relu" if relu else "none", [], "",
-        )
+        return _qlinear(a, packed.payload, in_qp, (1.0, 0, torch.float32), _relu(relu))
+
+    def linear_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
+                     unary_qp: QParams) -> torch.Tensor:
+        """The function as the op's post-op: one call, one rounding, no float tensor in between."""
+        scale, zero_point = unary_qp.scalar()
+        return _within(_qlinear(a, packed.payload, in_qp, (scale, zero_point, torch.uint8), unary), unary_qp)
 
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
-        if spec.dim not in _SUPPORTED_CONV_DIMS:
-            raise BackendUnavailableError(
-                f"the onednn backend does not run conv{spec.dim}d (weight {tuple(weight.shape)}): torch's oneDNN "
-                "int8 conv3d gives wrong results for common geometries; use the 'fbgemm' or 'reference' backend, "
-                "or exclude the Conv3d layers from quantization"
-            )
         x_scale, x_zp = in_qp.scalar()
         packed = torch.ops.onednn.qconv_prepack(
             weight.contiguous(), weight_scale(w_qp, weight), x_scale, x_zp, list(spec.stride), list(spec.padding),
@@ -227,12 +242,22 @@ class OnednnBackend(PlainInt8Backend):
     def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
              relu: bool) -> torch.Tensor:
         out_scale, out_zp = out_qp.scalar()
-        return _within(_qconv(a, packed.payload, in_qp, (out_scale, out_zp, torch.uint8), relu), out_qp)
+        return _within(_qconv(a, packed.payload, in_qp, (out_scale, out_zp, torch.uint8), _relu(relu)), out_qp)
 
     def conv_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                       relu: bool) -> torch.Tensor:
         """``qconv_pointwise`` with ``output_dtype`` float32, scale 1, zero point 0: the unrounded float result."""
-        return _qconv(a, packed.payload, in_qp, (1.0, 0, torch.float32), relu)
+        return _qconv(a, packed.payload, in_qp, (1.0, 0, torch.float32), _relu(relu))
+
+    def conv_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
+                   unary_qp: QParams) -> torch.Tensor:
+        """As ``linear_unary``; conv3d has no post-ops, so it runs the unfused sequence."""
+        w: OnednnWeight = packed.payload
+        assert w.spec is not None, "conv_unary() got weights packed by prepack_linear()"
+        if w.spec.dim == 3:
+            return super().conv_unary(a, packed, in_qp, out_qp, unary, unary_qp)
+        scale, zero_point = unary_qp.scalar()
+        return _within(_qconv(a, w, in_qp, (scale, zero_point, torch.uint8), unary), unary_qp)
 
     def conv_add(self, a: torch.Tensor, packed: PackedWeight, accum: torch.Tensor, qps: ConvAddQParams, *,
                  relu: bool) -> torch.Tensor:

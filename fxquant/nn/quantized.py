@@ -74,6 +74,10 @@ class _QuantizedWeighted(_BackendModule):
         self.w_qp = w_qp
         self.in_qp, self.out_qp = io
         self.relu = relu
+        # Set by convert where the layer's float result only feeds a float function whose result is quantized
+        # (``Backend.fused_linear_unary``): the layer then returns ``quantize(f(result), unary_qp)``.
+        self.unary: str | None = None
+        self.unary_qp: QParams | None = None
         self.relower(backend)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -84,8 +88,9 @@ class _QuantizedWeighted(_BackendModule):
     def extra_repr(self) -> str:
         scale, zp = self.out_qp.scalar()
         per = "per_channel" if self.w_qp.per_channel else "per_tensor"
+        unary = f", then {self.unary} to {self.unary_qp.scalar()}" if self.unary and self.unary_qp else ""
         return (f"{tuple(self.weight.shape)}, weight={per}, relu={self.relu}, scale={scale:.4g}, "
-                f"zero_point={zp}, backend={self.backend.name}")
+                f"zero_point={zp}{unary}, backend={self.backend.name}")
 
 
 class QuantizedLinear(_QuantizedWeighted):
@@ -99,6 +104,8 @@ class QuantizedLinear(_QuantizedWeighted):
         self._packed = backend.prepack_linear(self.weight, self.w_qp, self.bias)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
+        if self.unary is not None and self.unary_qp is not None:
+            return self.backend.linear_unary(a, self._packed, self.in_qp, self.out_qp, self.unary, self.unary_qp)
         if self.float_output:
             return self.backend.linear_to_float(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
         return self.backend.linear(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
@@ -122,6 +129,8 @@ class QuantizedConvNd(_QuantizedConvBase):
         self._packed = backend.prepack_conv(self.weight, self.w_qp, self.bias, self.spec, in_qp=self.in_qp)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
+        if self.unary is not None and self.unary_qp is not None:
+            return self.backend.conv_unary(a, self._packed, self.in_qp, self.out_qp, self.unary, self.unary_qp)
         if self.float_output:
             return self.backend.conv_to_float(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)
         return self.backend.conv(a, self._packed, self.in_qp, self.out_qp, relu=self.relu)

@@ -27,25 +27,14 @@ versus all data counted at once on the final grid — what holds is:
 from __future__ import annotations
 
 import math
-import threading
 
 import torch
 
+from fxquant.scratch import scratch
+
 _INT16_BINS = 32767
 _COUNT_CHUNK = 1 << 16  # values binned per step: scratch of 4 + 2 bytes per value stays in L2
-_scratch = threading.local()
 Grid = tuple[float, float, int]  # (start, width, bins)
-
-
-def _buffer(name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
-    """A reused 1-D buffer of at least ``size`` elements for this thread (never shrinks; at most one chunk)."""
-    key = (name, dtype)
-    buffers: dict[tuple[str, torch.dtype], torch.Tensor] = _scratch.__dict__.setdefault("buffers", {})
-    buffer = buffers.get(key)
-    if buffer is None or buffer.numel() < size:
-        with torch.inference_mode(False):  # an inference tensor could not be written outside inference mode
-            buffer = buffers[key] = torch.empty(size, dtype=dtype)
-    return buffer
 
 
 def dense_flat(x: torch.Tensor) -> torch.Tensor:
@@ -73,8 +62,8 @@ class _Binner:
 
     def __init__(self, size: int, grid: Grid, dtype: torch.dtype) -> None:
         start, width, bins = grid
-        self.values = _buffer("values", size, dtype)[:size]
-        self.index = _buffer("index", size, torch.int16)[:size]
+        self.values = scratch("histogram values", size, dtype)
+        self.index = scratch("histogram index", size, torch.int16)
         self.offset, self.scale = -start / width, 1.0 / width  # exact: start is a multiple of width, a power of 2
         self.bins = bins
         self.counts = torch.zeros(bins + 1, dtype=torch.int64)

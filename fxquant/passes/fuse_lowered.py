@@ -7,17 +7,23 @@
 * ``fuse_float_outputs``: a Linear/Conv whose only user is a dequantize (BERT's q/k/v projections, the GELU input)
   returns its float result directly (``Backend.fuses_float_output``), as Inductor does: no uint8 write, no
   dequantize.
+* ``fuse_unary``: such a float result whose only user is SiLU, hardswish or GELU, itself quantized right after
+  (EfficientNet's conv + SiLU, BERT's intermediate Linear + GELU), becomes one call with the function as the
+  kernel's post-op and the quantize's qparams as its output (``Backend.fused_linear_unary``), as Inductor's
+  ``qconv2d_pointwise`` / ``qlinear_pointwise`` unary fusions do: no float tensor, no separate quantize.
 
-fbgemm/qnnpack have neither kernel and keep the separate ops. Both passes edit in place; the caller runs dead-code
-elimination and recompiles.
+fbgemm/qnnpack have none of these kernels and keep the separate ops. The passes edit in place; the caller runs
+dead-code elimination and recompiles.
 """
 
 from __future__ import annotations
 
-from torch import fx
+import torch.nn.functional as F
+from torch import fx, nn
 
 from fxquant.nn.quantized import (
     DeQuantize,
+    Quantize,
     QuantizedAdd,
     QuantizedConv1d,
     QuantizedConv2d,
@@ -113,8 +119,47 @@ def fuse_float_outputs(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 _FLOAT_OUTPUT = (QuantizedLinear, QuantizedConv1d, QuantizedConv2d, QuantizedConv3d)  # exact types: not ConvAdd2d
+_UNARY_MODULES: dict[type, str] = {nn.SiLU: "silu", nn.Hardswish: "hardswish"}
+_UNARY_FUNCTIONS: dict[object, str] = {F.silu: "silu", F.hardswish: "hardswish"}
+
+
+def _unary_name(gm: fx.GraphModule, node: fx.Node) -> str | None:
+    """The ``UNARY_FUNCTIONS`` name of a float SiLU/hardswish/GELU node applied to its first argument, if it is one."""
+    module = _module(gm, node)
+    if isinstance(module, nn.GELU):
+        return "gelu" if module.approximate == "none" else "gelu_tanh"
+    if module is not None:
+        return _UNARY_MODULES.get(type(module))
+    if node.op != "call_function":
+        return None
+    if node.target is F.gelu and len(node.args) == 1:
+        return "gelu" if node.kwargs.get("approximate", "none") == "none" else "gelu_tanh"
+    return _UNARY_FUNCTIONS.get(node.target) if len(node.args) == 1 else None
+
+
+def fuse_unary(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fold ``quantize(f(layer(x)))`` into the layer where its backend applies ``f`` inside the kernel."""
+    for node in nodes_of(gm):
+        unary = _unary_name(gm, node)
+        source = node.args[0] if node.args else None
+        if unary is None or not isinstance(source, fx.Node) or len(source.users) != 1 or len(node.users) != 1:
+            continue
+        layer, quantize_node = _module(gm, source), next(iter(node.users))
+        quantize = _module(gm, quantize_node)
+        if type(layer) not in _FLOAT_OUTPUT or not isinstance(quantize, Quantize):
+            continue
+        assert isinstance(layer, (QuantizedLinear, QuantizedConvNd))
+        fused = layer.backend.fused_linear_unary if isinstance(layer, QuantizedLinear) else \
+            layer.backend.fused_conv_unary
+        if not layer.float_output or layer.relu or unary not in fused or quantize.backend is not layer.backend:
+            continue
+        layer.unary, layer.unary_qp, layer.float_output = unary, quantize.qp, False
+        quantize_node.replace_all_uses_with(source)
+        gm.graph.erase_node(quantize_node)
+        gm.graph.erase_node(node)
+    return gm
 
 
 def fuse_lowered(gm: fx.GraphModule) -> fx.GraphModule:
     """Every fusion above, in place."""
-    return fuse_float_outputs(fuse_conv_add(gm))
+    return fuse_unary(fuse_float_outputs(fuse_conv_add(gm)))

@@ -3,6 +3,8 @@ fused kernel must copy its in-place input, and that fused and unfused backends s
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import fx, nn
@@ -78,12 +80,15 @@ def test_backends_with_the_fused_kernels_agree_within_one_step() -> None:
 
 
 class _FeedForward(nn.Module):
-    def __init__(self) -> None:
+    """``down(f(up(x)))`` with a float function that no kernel applies (ELU), so ``up`` returns float."""
+
+    def __init__(self, function: Any = nn.functional.elu) -> None:
         super().__init__()
         self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.function = function
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x)))
+        return self.down(self.function(self.up(x)))
 
 
 @pytest.mark.parametrize("backend", [b for b in ("onednn", "reference", "fbgemm") if b in available_backends()])
@@ -92,9 +97,71 @@ def test_a_linear_read_only_by_float_code_returns_float_where_the_backend_fuses_
     up = qmodel.get_submodule("up")
     assert isinstance(up, QuantizedLinear)
     fuses = get_backend(backend).fuses_float_output  # fbgemm too: through oneDNN's float-output kernel
-    assert up.float_output is fuses and qmodel.get_submodule("down").float_output is fuses  # GELU, model output
+    assert up.float_output is fuses and qmodel.get_submodule("down").float_output is fuses  # ELU, model output
     assert len(_called(qmodel, DeQuantize)) == (0 if fuses else 2)
     x = torch.randn(3, 5, 16)
     step = float(qmodel.get_submodule("down").out_qp.scale)
     error = float((qmodel(x) - simulate(prepared, backend)(x)).abs().max()) / step
     assert error <= 1.0 + 1e-4, f"{backend}: {error:.2f} output steps from the simulation"
+
+
+class _ConvSiLU(nn.Module):
+    """EfficientNet's pattern: conv -> SiLU -> conv, in module and in functional form."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.act, self.conv = nn.Conv2d(3, 8, 3, padding=1), nn.SiLU(), nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(nn.functional.silu(self.conv(self.act(self.stem(x)))))
+
+
+UNARY_MODELS = [
+    ("silu", nn.SiLU()), ("silu", nn.functional.silu), ("hardswish", nn.Hardswish()),
+    ("gelu", nn.GELU()), ("gelu", nn.functional.gelu), ("gelu_tanh", nn.GELU(approximate="tanh")),
+]
+
+
+@pytest.mark.parametrize(("unary", "function"), UNARY_MODELS)
+def test_a_linear_then_silu_hardswish_or_gelu_becomes_one_call_where_the_backend_fuses_it(unary: str,
+                                                                                         function: Any) -> None:
+    """onednn: ``up`` applies the function as its post-op and writes the next Linear's int8 input; no float
+    function, dequantize or quantize stays between them. The output stays within one step of the simulation, and
+    of the unfused reference backend converted from the same calibration."""
+    if "onednn" not in available_backends():
+        pytest.skip("onednn backend unavailable")
+    torch.manual_seed(2)
+    prepared, qmodel = _converted("onednn", _FeedForward(function), (2, 5, 16))
+    up = qmodel.get_submodule("up")
+    assert isinstance(up, QuantizedLinear) and up.unary == unary and not up.float_output
+    assert [n.op for n in qmodel.graph.nodes] == ["placeholder", "call_module", "call_module", "call_module",
+                                                  "output"]  # quantize, up (+ function), down
+    x = torch.randn(3, 5, 16)
+    step = float(qmodel.get_submodule("down").out_qp.scale)
+    assert float((qmodel(x) - simulate(prepared, "onednn")(x)).abs().max()) / step <= 1.0 + 1e-4
+    reference = fxquant.convert(prepared, backend="reference")
+    assert reference.get_submodule("up").unary is None  # nothing to gain from fusing there
+    assert float((qmodel(x) - reference(x)).abs().max()) / step <= 1.0 + 1e-4
+
+
+def test_conv_silu_is_fused_on_onednn_and_relowers_to_fbgemm() -> None:
+    """Both SiLUs of the conv net are fused into their convs on onednn; the same calibration on fbgemm keeps the
+    separate ops, and re-lowering the fused module to fbgemm (``auto`` does per layer) runs the unfused sequence."""
+    if not {"onednn", "fbgemm"} <= set(available_backends()):
+        pytest.skip("needs onednn and fbgemm")
+    torch.manual_seed(3)
+    prepared, qmodel = _converted("onednn", _ConvSiLU(), (2, 3, 10, 10))
+    assert qmodel.get_submodule("stem").unary == "silu" and qmodel.get_submodule("conv").unary == "silu"
+    functions = [n for n in qmodel.graph.nodes if n.op == "call_function" and n.target is nn.functional.silu]
+    assert not functions and not any(isinstance(m, nn.SiLU) for m in qmodel.modules())
+    x = torch.randn(3, 3, 10, 10)
+    step = float(qmodel.get_submodule("head").out_qp.scale)
+    fused_out = qmodel(x)
+    assert float((fused_out - simulate(prepared, "onednn")(x)).abs().max()) / step <= 1.0 + 1e-4
+    stem = qmodel.get_submodule("stem")
+    a = stem.backend.quantize(x, stem.in_qp)
+    fused_stem = stem.backend.dequantize(stem(a), stem.unary_qp)
+    stem.relower(get_backend("fbgemm"))
+    relowered = get_backend("fbgemm").dequantize(stem(get_backend("fbgemm").quantize(x, stem.in_qp)), stem.unary_qp)
+    assert float((relowered - fused_stem).abs().max()) / float(stem.unary_qp.scale) <= 2.0 + 1e-4

@@ -30,7 +30,7 @@ from kernel_contract_cases import (
     steps,
 )
 
-from fxquant.kernels.base import Backend, ConvAddQParams, ConvSpec
+from fxquant.kernels.base import UNARY_FUNCTIONS, Backend, ConvAddQParams, ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import QParams, affine_qparams, dequantize, quantize
 
@@ -119,12 +119,71 @@ def test_linear_to_float_matches_the_reference(name: str, lead: tuple[int, ...],
         assert steps(got, want, out_qp) <= 1
 
 
+UNARY_CASES = [("linear", name) for name in ("silu", "hardswish", "gelu", "gelu_tanh")] + \
+    [("conv", name) for name in ("silu", "hardswish")]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize(("layer_kind", "unary"), UNARY_CASES)
+@pytest.mark.parametrize("seed", range(3))
+def test_unary_post_ops_match_the_reference(name: str, layer_kind: str, unary: str, seed: int) -> None:
+    """``f(layer(x))`` quantized once: within one step of the reference's float result, function and rounding,
+    fused (oneDNN's post-op) or not (the default sequence), conv3d (no post-ops) included."""
+    backend, ref = get_backend(name), reference_backend()
+    qrange = backend.activation_qrange(feeds_grouped_conv=False)
+    dims = (seed % 2 + 2) if layer_kind == "conv" else 0
+    if layer_kind == "conv":
+        spec = ConvSpec(dims, (1,) * dims, (1,) * dims, (1,) * dims, 1)
+        case = ConvCase(spec, 2, 5, 7, (3,) * dims, (6,) * dims, bool(seed % 2), True, False)
+        layer = conv_layer(case, qrange, seed)
+        y = float_conv(layer, spec)
+    else:
+        layer = make_layer((3, 4, 24), (9, 24), qrange=qrange, per_channel=bool(seed % 2), bias=True, seed=seed)
+        y = torch.nn.functional.linear(layer.x.double(), layer.w.double(), layer.bias.double())  # type: ignore[union-attr]
+    out_qp, unary_qp = output_qparams(y), output_qparams(UNARY_FUNCTIONS[unary](y))
+
+    def run(b: Backend) -> torch.Tensor:
+        a = b.quantize(layer.x, layer.in_qp)
+        if layer_kind == "conv":
+            packed = b.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+            return b.dequantize(b.conv_unary(a, packed, layer.in_qp, out_qp, unary, unary_qp), unary_qp)
+        packed = b.prepack_linear(layer.q_w, layer.w_qp, layer.bias)
+        return b.dequantize(b.linear_unary(a, packed, layer.in_qp, out_qp, unary, unary_qp), unary_qp)
+
+    got = run(backend)
+    assert got.shape == y.shape
+    if backend.fuses_float_output:
+        assert steps(got, run(ref), unary_qp) <= 1
+    else:  # fbgemm/qnnpack round the layer's own output first, as before any fusion: one more rounding
+        assert steps(got, run(ref), unary_qp) <= 2
+
+
+@pytest.mark.parametrize("name", PLAIN)
+@pytest.mark.parametrize(("shape_a", "shape_b"), [((2, 6, 5, 5), (2, 6, 1, 1)), ((2, 6, 1, 1), (2, 6, 5, 5)),
+                                                  ((3, 7), (3, 7)), ((4, 1, 5), (1, 3, 1))])
+def test_mul_rounds_the_exact_product_once(name: str, shape_a: tuple[int, ...], shape_b: tuple[int, ...]) -> None:
+    """``(qa - za)(qb - zb) sa sb`` rounded once to the output grid, broadcasting either way (an SE gate)."""
+    gen = torch.Generator().manual_seed(len(shape_a))
+    (qa, pa), (qb, pb) = activation(shape_a, (0, 255), gen), activation(shape_b, (0, 255), gen)
+    exact = dequantize(qa, pa).double() * dequantize(qb, pb).double()
+    qout = affine_qparams(exact.min().float(), exact.max().float())
+    got = get_backend(name).mul(qa, qb, pa, pb, qout)
+    want = torch.clamp(torch.round(exact / float(qout.scale)) + int(qout.zero_point), 0, 255)
+    assert got.dtype == torch.uint8 and got.shape == want.shape
+    assert int((got.double() - want).abs().max()) <= 1
+    assert float((got.double() != want).double().mean()) < 0.01  # only float32 ties (onednn) may differ
+
+
 POOLS: list[tuple[int, dict[str, Any]]] = [
     (1, {"kernel_size": 3}),
     (1, {"kernel_size": 2, "stride": 1, "padding": 1, "dilation": 2, "ceil_mode": True}),
     (2, {"kernel_size": 3, "stride": 2, "padding": 1}),
     (2, {"kernel_size": (2, 3), "stride": (1, 2), "padding": (1, 0), "dilation": (2, 1), "ceil_mode": True}),
     (2, {"kernel_size": 2, "stride": None}),
+    (2, {"kernel_size": (3, 2)}),
+    (3, {"kernel_size": 2}),
+    (3, {"kernel_size": (1, 2, 3), "stride": (1, 2, 3)}),
+    (3, {"kernel_size": 3, "stride": 2, "padding": 1}),
 ]
 
 
@@ -134,13 +193,15 @@ POOLS: list[tuple[int, dict[str, Any]]] = [
 def test_max_pool_is_exact(name: str, dim: int, kwargs: dict[str, Any], layout: str) -> None:
     """Max-pool is order-preserving, so every backend must give aten's max-pool of the integers exactly, more than
     127 positions per channel included (where aten's channels-last uint8 kernel refuses)."""
-    q = torch.randint(0, 256, (2, 5, *([13] * dim)), dtype=torch.uint8, generator=torch.Generator().manual_seed(dim))
-    if layout == "channels_last" and dim == 2:
-        q = q.contiguous(memory_format=torch.channels_last)
+    size = 7 if dim == 3 else 13
+    q = torch.randint(0, 256, (2, 5, *([size] * dim)), dtype=torch.uint8, generator=torch.Generator().manual_seed(dim))
+    if layout == "channels_last" and dim > 1:
+        q = q.contiguous(memory_format=torch.channels_last if dim == 2 else torch.channels_last_3d)
     if layout == "unbatched":
         q = q[0]
     qp = QParams(torch.tensor(0.1), torch.tensor(3), 0, 255)
-    functional = torch.nn.functional.max_pool1d if dim == 1 else torch.nn.functional.max_pool2d
+    functional = {1: torch.nn.functional.max_pool1d, 2: torch.nn.functional.max_pool2d,
+                  3: torch.nn.functional.max_pool3d}[dim]
     want = functional(q.float().contiguous(), **kwargs).to(torch.uint8)
     got = get_backend(name).max_pool(q, qp, dim, kwargs)
     assert got.dtype == torch.uint8 and torch.equal(got, want)

@@ -22,7 +22,6 @@ from kernel_contract_cases import (
     steps,
 )
 
-from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import QParams
@@ -55,11 +54,28 @@ def test_qlinear_pointwise_takes_the_real_output_scale() -> None:
     assert steps((raw(1 / 0.07).float() - 20) * 0.07, want, out_qp) > 1
 
 
-def test_conv3d_is_refused_with_a_way_out() -> None:
-    spec = ConvSpec(3, (1, 1, 1), (0, 0, 0), (1, 1, 1), 1)
-    layer = conv_layer(ConvCase(spec, 1, 2, 2, (2, 2, 2), (4, 4, 4), False, False, False), (0, 255), 0)
-    with pytest.raises(BackendUnavailableError, match="'fbgemm' or 'reference'"):
-        get_backend("onednn").prepack_conv(layer.q_w, layer.w_qp, None, spec, in_qp=layer.in_qp)
+@pytest.mark.parametrize("kernel", [(2, 2, 2), (3, 3, 3)])
+def test_conv3d_on_a_padded_input_of_depth_one(kernel: tuple[int, int, int]) -> None:
+    """Raw oneDNN is up to 255 steps off here (every batch size); the backend pads the input itself."""
+    spec = ConvSpec(3, (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
+    case = ConvCase(spec, 2, 3, 16, kernel, (1, 5, 6), True, True, False)
+    layer = conv_layer(case, (0, 255), 0)
+    out_qp = output_qparams(float_conv(layer, spec))
+    packed = torch.ops.onednn.qconv_prepack(layer.q_w, layer.w_qp.scale, *layer.in_qp.scalar(), [1, 1, 1],
+                                            [1, 1, 1], [1, 1, 1], 1, None)
+    raw = torch.ops.onednn.qconv_pointwise(
+        layer.q_x.contiguous(memory_format=torch.channels_last_3d), *layer.in_qp.scalar(), packed,
+        layer.w_qp.scale, torch.zeros(16, dtype=torch.int64), layer.bias, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1,
+        *out_qp.scalar(), torch.uint8, "none", [], "")
+    want = run_conv(reference_backend(), layer, spec, out_qp, relu=False)
+    assert steps((raw.float() - int(out_qp.zero_point)) * float(out_qp.scale), want, out_qp) > 1  # the torch bug
+    assert _conv_lsb(case) <= 1
+
+
+def test_conv3d_relu_is_a_clamp_after_the_op() -> None:
+    """conv3d takes no post-op ("Unsupported post op relu"): the backend clamps at the output zero point."""
+    spec = ConvSpec(3, (1, 2, 1), (0, 1, 1), (1, 1, 1), 1)
+    assert _conv_lsb(ConvCase(spec, 2, 4, 8, (2, 3, 3), (3, 6, 5), False, True, True)) <= 1
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxquant import scratch
 from fxquant.errors import CalibrationError
 from fxquant.observers import HistogramObserver, HistogramObserverBase, Observer, counting
 from fxquant.observers.hist_math import grid_for
@@ -113,7 +114,7 @@ def test_dense_flat_reads_channels_last_memory_without_copying() -> None:
 
 def test_scratch_made_under_inference_mode_serves_later_plain_calls() -> None:
     """Regression: the reused buffers were inference tensors when first made under calibrate()'s inference mode."""
-    counting._scratch.__dict__.clear()
+    scratch._local.__dict__.clear()
     x = torch.randn(3 * CHUNK)
     with torch.inference_mode():
         HistogramObserver()(x)
