@@ -37,14 +37,16 @@ from fxquant.passes import (
     lower_to_int8,
 )
 from fxquant.passes._graph import replace_submodule
+from fxquant.passes.attention import fuse_attention
 from fxquant.state import STATE_KEY, QuantState, quant_state
 from fxquant.tracing import GraphBreak, trace_partially
 
 
 def prepare_graph(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> fx.GraphModule:
-    """The prepare passes on one traced graph: functional -> modules, fold BN, fuse, cross-layer equalization,
-    observers, then the statistics observers of SmoothQuant and bias correction (each pass a no-op unless asked)."""
-    gm = equalize_layers(fuse_activations(fold_batchnorm(functional_to_modules(gm))), config, prefix)
+    """The prepare passes on one traced graph: attention -> SDPA, functional -> modules, fold BN, fuse, cross-layer
+    equalization, observers, then the statistics observers of SmoothQuant and bias correction (each pass a no-op
+    unless its pattern appears or it is asked for)."""
+    gm = equalize_layers(fuse_activations(fold_batchnorm(functional_to_modules(fuse_attention(gm)))), config, prefix)
     gm = insert_observers(gm, config, prefix)
     return insert_bias_observers(insert_smoothing_observers(gm, config, prefix), config, prefix)
 
