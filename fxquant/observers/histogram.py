@@ -100,7 +100,7 @@ class HistogramObserverBase(Observer):
             start, width = self._grow(*self._covering(lo, hi))
             count_into(self.histogram, data, start, width)
         else:
-            self.histogram += counts
+            self.histogram.add_(counts)
         self._count(lo, hi, x.numel())
 
     def _regrid_needed(self, lo: float, hi: float, start: float, width: float) -> bool:
