@@ -65,7 +65,7 @@ def weight_scale(w_qp: QParams, weight: torch.Tensor) -> torch.Tensor:
 
 def centered(a: torch.Tensor, qp: QParams, dtype: torch.dtype) -> torch.Tensor:
     """``a - zero_point`` in float ``dtype``: exact, since 9-bit integers fit any float mantissa."""
-    return a.to(dtype) - int(qp.zero_point)
+    return a.to(dtype, copy=True).sub_(int(qp.zero_point))
 
 
 def _per_dim(value: Any, dim: int) -> tuple[int, ...]:
@@ -174,7 +174,9 @@ class PlainInt8Backend(Backend):
         return windows if windows is not None else super().max_pool(a.contiguous(), qp, dim, kwargs)
 
     def adaptive_avg_pool(self, a: torch.Tensor, qp: QParams, output_size: Any) -> torch.Tensor:
-        pooled = _ADAPTIVE_POOLS[a.dim()](centered(a, qp, self.elementwise_dtype), output_size)
+        # Every output is a mean, so the zero point comes off the (small) pooled result: one full-size pass fewer
+        # than pooling ``a - zero_point`` (SE blocks, classifier heads; 116 against 440 us at 96x56x56).
+        pooled = _ADAPTIVE_POOLS[a.dim()](a.to(self.elementwise_dtype), output_size).sub_(int(qp.zero_point))
         return requantize(pooled, 1.0, qp, relu=False)
 
     def avg_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:
