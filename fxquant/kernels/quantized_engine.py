@@ -3,7 +3,8 @@
 This is the only module of fxquant that touches the quantized dtypes (``quint8``/``qint8``) and the process-wide
 ``torch.backends.quantized.engine``. torch 2.13 deprecates those dtypes (pytorch issue 184982); users of these two
 backends are told once, and torch's per-call warning is silenced. The engine is switched only while weights are
-prepacked (a packed weight remembers its engine), then restored.
+prepacked (a packed weight remembers its engine), then restored. Transposed convs go around a broken fbgemm kernel,
+as :mod:`fxquant.kernels.fbgemm_transposed` explains.
 """
 
 from __future__ import annotations
@@ -11,10 +12,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +21,14 @@ import torch.nn.functional as F
 
 from fxquant.cpu import has_vnni
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight, same_grid
+from fxquant.kernels.fbgemm_transposed import (
+    Transposed,
+    as_patches,
+    depth_to_space,
+    direct_conv_path,
+    patch_linear,
+    with_zero_channel,
+)
 from fxquant.kernels.registry import register_backend
 from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 
@@ -106,46 +113,6 @@ _FIXED_KERNELS: dict[str, tuple[Any, float, int]] = {
 }
 
 
-@dataclass(frozen=True)
-class _Transposed:
-    """A packed transposed conv. ``patches``: run as a Linear to one kernel-sized output patch per input position
-    (``kernel`` == stride, no padding), ``keep`` output channels of a kernel packed with extra zero channels."""
-
-    dim: int
-    packed: Any
-    patches: tuple[int, ...] = ()
-    keep: int = 0
-
-
-def _direct_conv_path(weight: torch.Tensor, spec: ConvSpec) -> bool:
-    """Whether fbgemm runs this transposed conv with its direct kernel, which is wrong in torch 2.13: it writes input
-    row ``i`` to output row ``i`` instead of ``i * stride`` and mixes the images of a batch (measured 100+ steps off
-    on most outputs). Its condition (fbgemm's ``takeDirectConvPath``, matched case by case in
-    ``tests/kernels/test_fbgemm_qnnpack_pitfalls.py``): 2-d, groups 1, input and output channels multiples of 8,
-    kernel height 2 and width <= 6, strides 1 or 2, no padding, dilation 1."""
-    kernel = weight.shape[2:]
-    return (spec.dim == 2 and spec.groups == 1 and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0
-            and kernel[0] == 2 and kernel[1] <= 6 and all(s in (1, 2) for s in spec.stride)
-            and not any(spec.padding) and all(d == 1 for d in spec.dilation))
-
-
-def _as_patches(weight: torch.Tensor, spec: ConvSpec) -> bool:
-    """A transposed conv whose kernel equals its stride writes one separate kernel-sized patch per input position:
-    a Linear (C_in -> kernel * C_out) then depth-to-space, faster than either transposed kernel (U-Net upsamplers)."""
-    return (tuple(weight.shape[2:]) == spec.stride and spec.groups == 1 and not any(spec.padding)
-            and not any(spec.output_padding) and all(d == 1 for d in spec.dilation))
-
-
-def _run_patches(a: torch.Tensor, t: _Transposed, scale: float, zp: int) -> torch.Tensor:
-    """Linear over channels (a channels-last input needs no copy), then the patches put in place, channels-last."""
-    out = _q.linear(a.movedim(1, -1), t.packed, scale, zp)  # (N, *size, *kernel, C_out)
-    n, size, channels = a.shape[0], a.shape[2:], out.shape[-1] // math.prod(t.patches)
-    if t.dim == 1:
-        return out.reshape(n, size[0] * t.patches[0], channels).movedim(-1, 1)
-    out = out.reshape(n, size[0], size[1], t.patches[0], t.patches[1], channels).transpose(2, 3)
-    return out.reshape(n, size[0] * t.patches[0], size[1] * t.patches[1], channels).movedim(-1, 1)
-
-
 class _QuantizedDtypeBackend(Backend):
     engine = ""
     pool_rounds_stored_integers = True
@@ -210,29 +177,25 @@ class _QuantizedDtypeBackend(Backend):
 
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
                                spec: ConvSpec) -> PackedWeight:
-        if _as_patches(weight, spec) and w_qp.axis is None:
-            patches = weight.movedim(0, -1).movedim(0, -2)  # (*kernel, C_out, C_in): output rows in patch order
-            tiled = None if bias is None else bias.detach().float().repeat(math.prod(spec.stride))
+        if as_patches(weight, spec) and w_qp.axis is None:
+            rows, tiled = patch_linear(weight, bias, spec)
             with quantized_engine(self.engine):
-                packed = _q.linear_prepack(_weight_tensor(patches.reshape(-1, weight.shape[0]), w_qp), tiled)
-            return PackedWeight(self.name, _Transposed(spec.dim, packed, patches=spec.stride))
+                packed = _q.linear_prepack(_weight_tensor(rows, w_qp), tiled)
+            return PackedWeight(self.name, Transposed(spec.dim, packed, patches=spec.stride))
         keep = 0
-        if self.engine == "fbgemm" and _direct_conv_path(weight, spec):
-            # one zero output channel more steers fbgemm to its correct im2col kernel; the extra channel is dropped
-            keep = weight.shape[1]
-            weight = torch.cat([weight, weight.new_zeros(weight.shape[0], 1, *weight.shape[2:])], 1)
-            bias = None if bias is None else torch.cat([bias.detach().float(), bias.new_zeros(1)])
+        if self.engine == "fbgemm" and direct_conv_path(weight, spec):  # its direct kernel is wrong
+            weight, bias, keep = with_zero_channel(weight, bias)
         prepack = _q.conv_transpose1d_prepack if spec.dim == 1 else _q.conv_transpose2d_prepack
         with quantized_engine(self.engine):
             payload = prepack(_weight_tensor(weight, w_qp), bias, list(spec.stride), list(spec.padding),
                               list(spec.output_padding), list(spec.dilation), spec.groups)
-        return PackedWeight(self.name, _Transposed(spec.dim, payload, keep=keep))
+        return PackedWeight(self.name, Transposed(spec.dim, payload, keep=keep))
 
     def conv_transpose(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams) -> torch.Tensor:
-        t: _Transposed = packed.payload
+        t: Transposed = packed.payload
         scale, zp = out_qp.scalar()
         if t.patches:
-            return _within(_run_patches(a, t, scale, zp), out_qp)
+            return _within(depth_to_space(_q.linear(a.movedim(1, -1), t.packed, scale, zp), a, t), out_qp)
         out = (_q.conv_transpose1d if t.dim == 1 else _q.conv_transpose2d)(a, t.packed, scale, zp)
         return _within(out[:, :t.keep] if t.keep else out, out_qp)
 

@@ -63,6 +63,9 @@ class _QuantizedWeighted(_BackendModule):
     weight_scale: torch.Tensor
     weight_zero_point: torch.Tensor
     bias: torch.Tensor | None
+    # A fused ReLU6/hardtanh is applied by saturating at the output qparams' range (the observer saw the clamped
+    # values): such an output must be rounded to them, never returned unrounded or summed into a fused add.
+    range_clamp: bool = False
 
     def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, io: tuple[QParams, QParams],
                  *, relu: bool, backend: Backend) -> None:

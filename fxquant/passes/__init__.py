@@ -9,13 +9,9 @@ from fxquant.passes.fuse import fuse_activations
 from fxquant.passes.insert_observers import insert_observers
 from fxquant.passes.keep_float import keep_layers_float
 from fxquant.passes.lower import lower_to_int8
-from fxquant.passes.smoothquant import (
-    ChannelRangeObserver,
-    ChannelScale,
-    insert_smoothing_observers,
-    smooth_activations,
-)
+from fxquant.passes.smoothquant import ChannelRangeObserver, insert_smoothing_observers, smooth_activations
 from fxquant.passes.smoothquant_auto import SmoothingChoice, smoothing_choices, smoothquant_alphas
+from fxquant.passes.smoothquant_divide import ChannelScale
 
 __all__ = [
     "ChannelRangeObserver",

@@ -20,23 +20,29 @@ from fxquant.patterns import OpKind, classify, is_mul
 _PASS_THROUGH = (OpKind.VALUE, OpKind.STRUCTURAL, OpKind.FIXED)
 
 
-def only_read_as_float(node: fx.Node, modules: Mapping[str, nn.Module]) -> bool:
+def only_read_as_float(node: fx.Node, modules: Mapping[str, nn.Module],
+                       memo: dict[fx.Node, bool] | None = None) -> bool:
     """Whether every reader of ``node`` computes in float when ``node`` is float: float ops, the graph output,
     layers kept float, metadata reads, and ReLU/pool/reshape nodes and adds whose own readers are all float (an add
     reading float ``node`` then has a float input, so it stays float too: the pre-LN residual stream, where each
     add feeds the next block's LayerNorm and add). A multiply or concatenation may run int8 on another int8 input,
-    and a quantized layer reads int8, so either says no."""
-    for user in node.users:
-        kind = classify(user, modules)
-        if kind in (OpKind.FLOAT, OpKind.META):
-            continue
-        settings = user.meta.get(LAYER_SETTINGS)
-        if kind is OpKind.COMPUTE and settings is not None and not settings.quantize:
-            continue
-        passes = kind in _PASS_THROUGH or (kind is OpKind.BINARY and not is_mul(user))
-        if not passes or not only_read_as_float(user, modules):
-            return False
-    return bool(node.users)
+    and a quantized layer reads int8, so either says no. ``memo`` keeps each node's answer within one query, so a
+    graph whose readers fan out and join again is walked once, not once per path."""
+    memo = {} if memo is None else memo
+    if node not in memo:
+        memo[node] = bool(node.users) and all(_read_as_float(user, modules, memo) for user in node.users)
+    return memo[node]
+
+
+def _read_as_float(user: fx.Node, modules: Mapping[str, nn.Module], memo: dict[fx.Node, bool]) -> bool:
+    kind = classify(user, modules)
+    if kind in (OpKind.FLOAT, OpKind.META):
+        return True
+    settings = user.meta.get(LAYER_SETTINGS)
+    if kind is OpKind.COMPUTE and settings is not None and not settings.quantize:
+        return True
+    passes = kind in _PASS_THROUGH or (kind is OpKind.BINARY and not is_mul(user))
+    return passes and only_read_as_float(user, modules, memo)
 
 
 def float_residual_add(node: fx.Node, int8: set[fx.Node], modules: Mapping[str, nn.Module]) -> bool:

@@ -50,7 +50,7 @@ def _fusable_conv(gm: fx.GraphModule, add_node: fx.Node, add: QuantizedAdd) -> i
             continue
         conv = _module(gm, value)
         if isinstance(conv, QuantizedConv2d) and type(conv) is QuantizedConv2d and not conv.relu \
-                and conv.backend is add.backend:
+                and not conv.range_clamp and conv.backend is add.backend:
             return index
     return None
 
@@ -108,7 +108,8 @@ def fuse_float_outputs(gm: fx.GraphModule) -> fx.GraphModule:
             continue
         assert isinstance(linear, (QuantizedLinear, QuantizedConvNd))
         backend = linear.backend
-        if not (backend.fuses_float_output if isinstance(linear, QuantizedLinear) else backend.fuses_float_conv_output):
+        fuses = backend.fuses_float_output if isinstance(linear, QuantizedLinear) else backend.fuses_float_conv_output
+        if not fuses or linear.range_clamp:
             continue
         user = next(iter(node.users))
         if isinstance(_module(gm, user), DeQuantize):

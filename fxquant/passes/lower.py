@@ -30,6 +30,7 @@ from fxquant.nn.quantized import (
     QuantizedMul,
     QuantizedPool,
     QuantizedReLU,
+    _QuantizedWeighted,
 )
 from fxquant.observers import Observer, get_weight_observer
 from fxquant.passes._graph import finish, modules_of, nodes_of, only_user, replace_submodule
@@ -148,6 +149,7 @@ def _lower_compute(low: _Lowering, node: fx.Node) -> None:
         # same activation representation, so the layer can run on the fallback with no conversion around it
         log.warning("fxquant: %s runs on %r: %s", path, low.backend.fallback, error)
         qmodule = _quantized_layer(inner, parts, relu, get_backend(low.backend.fallback))
+    qmodule.range_clamp = isinstance(module, Fused) and (module.max_val is not None or module.min_val != 0.0)
     replace_submodule(low.gm, path, qmodule)
     low.qparams[node] = out_qp
 
@@ -175,7 +177,7 @@ def _check_accumulator(inner: nn.Module, parts: tuple, backend: Backend) -> None
             "from quantization")
 
 
-def _quantized_layer(inner: nn.Module, parts: tuple, relu: bool, backend: Backend) -> nn.Module:
+def _quantized_layer(inner: nn.Module, parts: tuple, relu: bool, backend: Backend) -> _QuantizedWeighted:
     _check_accumulator(inner, parts, backend)
     if isinstance(inner, nn.Linear):
         return QuantizedLinear(*parts, relu=relu, backend=backend)

@@ -13,7 +13,7 @@ Two phases, because ``s`` needs per-channel activation statistics:
   records each channel's min and max. With ``smoothquant_alpha="auto"`` it also keeps a bounded sample of input
   rows, from which convert chooses one alpha per group (see :mod:`fxquant.passes.smoothquant_auto`).
 * ``convert`` (``smooth_activations``) computes ``s`` (one per value, from the weights of every layer in the group),
-  scales the weight columns, and divides the activation by ``s``:
+  scales the weight columns, and divides the activation by ``s`` (:mod:`fxquant.passes.smoothquant_divide`):
 
   - folded into the producer when the value feeds only the group: a LayerNorm/RMSNorm (weight and bias / s) or a
     Linear (+ ReLU) (output rows and bias / s). Free at inference.
@@ -37,12 +37,11 @@ from torch import fx, nn
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError
 from fxquant.meta import LAYER_SETTINGS
-from fxquant.nn.fused import Fused, compute_module
+from fxquant.nn.fused import compute_module
 from fxquant.observers import MinMaxObserver, Observer
-from fxquant.passes._graph import finish, nodes_of, only_user, replace_submodule
+from fxquant.passes._graph import finish, nodes_of, only_user
 from fxquant.passes._stats import (
     StatisticsObserver,
-    absorbed_by_producer,
     behind_statistics,
     drop_statistics_node,
     is_activation_observer,
@@ -62,6 +61,7 @@ from fxquant.passes.smoothquant_auto import (
     sample_rows,
     smoothing_scales,
 )
+from fxquant.passes.smoothquant_divide import ChannelScale, divide_activation
 from fxquant.patterns import tensor_input
 from fxquant.state import STATE_KEY
 
@@ -70,7 +70,6 @@ __all__ = ["ChannelRangeObserver", "ChannelScale", "insert_smoothing_observers",
            "smoothing_scales"]
 
 STATISTICS_PREFIX = "smoothquant_statistics_"
-_NORMS: tuple[type[nn.Module], ...] = tuple(t for t in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if t is not None)
 
 
 class ChannelRangeObserver(StatisticsObserver):
@@ -116,22 +115,6 @@ class ChannelRangeObserver(StatisticsObserver):
 
     def absmax(self) -> torch.Tensor:
         return torch.maximum(-self.channel_min, self.channel_max).clamp(min=0.0)
-
-
-class ChannelScale(nn.Module):
-    """``x * scale`` along the last axis: SmoothQuant's explicit smoothing where ``1/s`` cannot be folded."""
-
-    scale: torch.Tensor
-
-    def __init__(self, scale: torch.Tensor) -> None:
-        super().__init__()
-        self.register_buffer("scale", scale.detach().float().clone())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.scale
-
-    def extra_repr(self) -> str:
-        return f"channels={self.scale.numel()}"
 
 
 def _linear(gm: fx.GraphModule, node: fx.Node) -> nn.Linear:
@@ -182,57 +165,6 @@ def _ranged_observer(statistics: ChannelRangeObserver, scales: torch.Tensor, lab
     return observer
 
 
-def _fold_into(module: nn.Module, inverse: torch.Tensor) -> bool:
-    """Divide ``module``'s output channels by s (``inverse`` = 1/s) if it is a norm or a Linear (+ ReLU)."""
-    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-    shape = tuple(getattr(module, "normalized_shape", ()))
-    if isinstance(module, _NORMS) and isinstance(weight, torch.Tensor) and shape == (inverse.numel(),):
-        weight.mul_(inverse)
-        if isinstance(bias, torch.Tensor):
-            bias.mul_(inverse)
-        return True
-    layer = compute_module(module)
-    relu_only = not isinstance(module, Fused) or (module.min_val == 0.0 and module.max_val is None)
-    if isinstance(layer, nn.Linear) and relu_only and layer.out_features == inverse.numel():
-        layer.weight.mul_(inverse[:, None])
-        if layer.bias is not None:
-            layer.bias.mul_(inverse)
-        return True
-    return False
-
-
-def _fold(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Tensor, observer: MinMaxObserver) -> bool:
-    """Fold 1/s into the producer of the observed value when the smoothed layers are its only readers."""
-    key = statistics_node.args[0]
-    if not isinstance(key, fx.Node) or not is_activation_observer(gm, key) or set(key.users) != {statistics_node}:
-        return False
-    producer = key.args[0]
-    if not isinstance(producer, fx.Node) or set(producer.users) != {key} or producer.op != "call_module":
-        return False
-    if not _fold_into(gm.get_submodule(str(producer.target)), 1.0 / scales):
-        return False
-    observer.label = getattr(gm.get_submodule(str(key.target)), "label", observer.label)
-    replace_submodule(gm, str(key.target), observer)
-    return True
-
-
-def _insert_scale(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Tensor, observer: Observer) -> None:
-    """``value -> ChannelScale(1/s) -> observer -> layers`` (reading the float value behind an input observer)."""
-    source = statistics_node.args[0]
-    assert isinstance(source, fx.Node)
-    if is_activation_observer(gm, source) and not absorbed_by_producer(gm, source):
-        source = source.args[0]  # skip a quantize that the multiply would undo
-        assert isinstance(source, fx.Node)
-    scale_name = unique_name(gm, "smoothquant_scale_")
-    gm.add_submodule(scale_name, ChannelScale(1.0 / scales))
-    observer_name = unique_name(gm, "smoothquant_observer_")
-    gm.add_submodule(observer_name, observer)
-    with gm.graph.inserting_before(statistics_node):
-        scaled = gm.graph.call_module(scale_name, (source,))
-        observed = gm.graph.call_module(observer_name, (scaled,))
-    statistics_node.replace_all_uses_with(observed)
-
-
 def _resolve_alpha(statistics: ChannelRangeObserver, weights: list[torch.Tensor], layer_nodes: list[fx.Node],
                    alpha: float | str) -> tuple[float | None, dict[float | None, float]]:
     """The configured alpha, or for ``"auto"`` the group's best candidate on its sampled rows."""
@@ -272,8 +204,7 @@ def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver,
         if isinstance(module, InputMeanObserver):
             module.rescale_channels(1.0 / scales)
     observer = _ranged_observer(statistics, scales, f"input of {names} (smoothed)")
-    if not _fold(gm, node, scales, observer):
-        _insert_scale(gm, node, scales, observer)
+    divide_activation(gm, node, scales, observer)
     return choice
 
 

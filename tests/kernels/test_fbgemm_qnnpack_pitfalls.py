@@ -27,7 +27,8 @@ from kernel_contract_cases import (
 )
 
 from fxquant.kernels.base import Backend, ConvSpec
-from fxquant.kernels.quantized_engine import _direct_conv_path, quantized_engine
+from fxquant.kernels.fbgemm_transposed import direct_conv_path
+from fxquant.kernels.quantized_engine import quantized_engine
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import REDUCED_UINT8_RANGE, QParams
 
@@ -113,12 +114,12 @@ _TRANSPOSED_GRID = [(cin, cout, kernel, stride, padding) for cin in (8, 12) for 
 
 @needs_fbgemm
 def test_fbgemm_direct_transposed_kernel_is_wrong_exactly_where_fxquant_avoids_it() -> None:
-    """Pins the condition in ``quantized_engine._direct_conv_path``: if a torch upgrade fixes the kernel (or moves
+    """Pins the condition in ``fbgemm_transposed.direct_conv_path``: if a torch upgrade fixes the kernel (or moves
     the condition), this fails and the workaround can be revisited."""
     mismatches = []
     for cin, cout, kernel, stride, padding in _TRANSPOSED_GRID:
         spec = ConvSpec(2, stride, (padding, padding), (1, 1), 1, True, (0, 0))
         wrong = _raw_fbgemm_transposed_lsb(cin, cout, kernel, stride, padding) > 1
-        if wrong != _direct_conv_path(torch.empty(cin, cout, *kernel), spec):
+        if wrong != direct_conv_path(torch.empty(cin, cout, *kernel), spec):
             mismatches.append((cin, cout, kernel, stride, padding, wrong))
     assert not mismatches, f"raw fbgemm correctness differs from the predicted condition: {mismatches}"

@@ -165,3 +165,35 @@ def test_conv_silu_is_fused_on_onednn_and_relowers_to_fbgemm() -> None:
     stem.relower(get_backend("fbgemm"))
     relowered = get_backend("fbgemm").dequantize(stem(get_backend("fbgemm").quantize(x, stem.in_qp)), stem.unary_qp)
     assert float((relowered - fused_stem).abs().max()) / float(stem.unary_qp.scale) <= 2.0 + 1e-4
+
+
+class _Clamped(nn.Module):
+    """Clamps applied through the output range: a hardtanh Linear read only by float code (the model output), and a
+    hardtanh conv feeding a residual add."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem, self.branch = nn.Conv2d(3, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.stem(x))
+        y = nn.functional.hardtanh(self.branch(y), -0.5, 0.5) + y
+        return nn.functional.hardtanh(self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(y, 1), 1)), -0.1, 0.1)
+
+
+@pytest.mark.parametrize("backend", FUSING)
+def test_a_clamp_applied_by_the_output_range_is_never_fused_away(backend: str) -> None:
+    """Regression: with float outputs the hardtanh Linear returned its unclamped result (10x the float model's
+    output on a generated model), and a fused conv + add would skip the branch's clamp the same way."""
+    torch.manual_seed(4)
+    prepared, qmodel = _converted(backend, _Clamped(), (2, 3, 6, 6))
+    fc, branch = qmodel.get_submodule("fc"), qmodel.get_submodule("branch")
+    assert isinstance(fc, QuantizedLinear) and fc.range_clamp and not fc.float_output
+    assert branch.range_clamp and not isinstance(branch, QuantizedConvAdd2d)
+    x = torch.randn(5, 3, 6, 6) * 3
+    with torch.no_grad():
+        out = qmodel(x)
+        assert float(out.abs().max()) <= 0.1 + float(fc.out_qp.scale)
+        step = float(fc.out_qp.scale)
+        assert float((out - simulate(prepared, backend)(x)).abs().max()) / step <= 1.0 + 1e-4

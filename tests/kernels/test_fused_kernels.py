@@ -244,3 +244,12 @@ def test_max_pool_and_quantize_emit_no_warning(name: str) -> None:
     child = subprocess.run([sys.executable, "-c", _NO_WARNING_SCRIPT, name], capture_output=True, text=True,
                            timeout=120, cwd=str(Path(__file__).parent))
     assert child.returncode == 0, child.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_quantize_takes_an_input_that_requires_grad(name: str) -> None:
+    """A converted model called outside ``no_grad`` (a float BatchNorm before the first layer makes its input
+    require grad): quantize rounds a detached copy, as ``qparams.quantize`` would."""
+    x = torch.randn(2, 3, 4, 5, requires_grad=True)
+    qp = QParams(torch.tensor(0.05), torch.tensor(100), 0, 255)
+    assert torch.equal(get_backend(name).quantize(x, qp), quantize(x.detach(), qp))

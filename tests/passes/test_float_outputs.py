@@ -183,3 +183,36 @@ def test_bert_style_sqnr_improves_with_float_residual_adds(backend_name: str,
           f"vs its fake-quant model {vs_simulation:.1f} dB")
     assert after >= before + 10.0, f"{backend_name}: {before:.1f} dB -> {after:.1f} dB"
     assert vs_simulation >= 40.0, f"{backend_name}: INT8 vs fake-quant {vs_simulation:.1f} dB"
+
+
+class _Diamonds(nn.Module):
+    """A float value through 16 levels of ``relu(x) + relu(x)`` (two readers joining again) into a LayerNorm:
+    every add mixes in a float value and only float code reads the end, so all of them stay float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.sigmoid(self.fc(x)) * 2.0
+        for _ in range(16):
+            x = torch.relu(x) + torch.relu(x)
+        return self.norm(x)
+
+
+def test_reader_queries_walk_a_fanned_out_graph_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without memoisation each add's query walks every path to the output: 2^16 per add here."""
+    float_outputs = importlib.import_module("fxquant.passes.float_outputs")
+    calls = 0
+    classify = float_outputs.classify
+
+    def counting(node: torch.fx.Node, modules: object) -> object:
+        nonlocal calls
+        calls += 1
+        return classify(node, modules)
+
+    monkeypatch.setattr(float_outputs, "classify", counting)
+    prepared = fxquant.prepare(_Diamonds().eval(), (torch.randn(2, 8),))
+    graph_nodes = len(prepared.graph.nodes)
+    assert calls < 20 * graph_nodes * graph_nodes, f"{calls} classify calls for {graph_nodes} nodes"
+    assert not any(isinstance(m, Observer) and "add" in path for path, m in prepared.named_modules())

@@ -1,0 +1,80 @@
+"""Transposed convs on fbgemm/qnnpack without fbgemm's broken direct kernel.
+
+fbgemm's direct transposed-conv kernel is wrong in torch 2.13: it writes input row ``i`` to output row ``i`` instead
+of ``i * stride`` and mixes the images of a batch (measured 100+ steps off on most outputs). fxquant never reaches it:
+
+* a transposed conv whose kernel equals its stride writes one separate kernel-sized patch per input position, so it
+  runs as a Linear (C_in -> kernel * C_out) then depth-to-space, faster than either transposed kernel (U-Net
+  upsamplers);
+* any other conv that would take the direct path gets one zero output channel more, which steers fbgemm to its
+  correct im2col kernel; the extra channel is dropped from the output.
+
+This module decides the path and lays out weights and outputs; the quantized kernels themselves are called only in
+:mod:`fxquant.kernels.quantized_engine`, the one module that touches torch's quantized dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxquant.kernels.base import ConvSpec
+
+
+@dataclass(frozen=True)
+class Transposed:
+    """A packed transposed conv. ``patches``: run as a Linear to one kernel-sized output patch per input position
+    (``kernel`` == stride, no padding), ``keep`` output channels of a kernel packed with extra zero channels."""
+
+    dim: int
+    packed: Any
+    patches: tuple[int, ...] = ()
+    keep: int = 0
+
+
+def direct_conv_path(weight: torch.Tensor, spec: ConvSpec) -> bool:
+    """Whether fbgemm runs this transposed conv with its broken direct kernel. Its condition (fbgemm's
+    ``takeDirectConvPath``, matched case by case in ``tests/kernels/test_fbgemm_qnnpack_pitfalls.py``): 2-d, groups 1,
+    input and output channels multiples of 8, kernel height 2 and width <= 6, strides 1 or 2, no padding,
+    dilation 1."""
+    kernel = weight.shape[2:]
+    return (spec.dim == 2 and spec.groups == 1 and weight.shape[0] % 8 == 0 and weight.shape[1] % 8 == 0
+            and kernel[0] == 2 and kernel[1] <= 6 and all(s in (1, 2) for s in spec.stride)
+            and not any(spec.padding) and all(d == 1 for d in spec.dilation))
+
+
+def with_zero_channel(weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """``weight`` and ``bias`` with one zero output channel more (off fbgemm's direct path), and how many to keep."""
+    keep = weight.shape[1]
+    weight = torch.cat([weight, weight.new_zeros(weight.shape[0], 1, *weight.shape[2:])], 1)
+    bias = None if bias is None else torch.cat([bias.detach().float(), bias.new_zeros(1)])
+    return weight, bias, keep
+
+
+def as_patches(weight: torch.Tensor, spec: ConvSpec) -> bool:
+    """Whether the transposed conv writes one separate kernel-sized patch per input position (kernel == stride, no
+    padding, groups 1, dilation 1), so it can run as a Linear then depth-to-space."""
+    return (tuple(weight.shape[2:]) == spec.stride and spec.groups == 1 and not any(spec.padding)
+            and not any(spec.output_padding) and all(d == 1 for d in spec.dilation))
+
+
+def patch_linear(weight: torch.Tensor, bias: torch.Tensor | None,
+                 spec: ConvSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The Linear's ``(kernel * C_out, C_in)`` weight, output rows in patch order, and its bias (one per row)."""
+    patches = weight.movedim(0, -1).movedim(0, -2)  # (*kernel, C_out, C_in)
+    tiled = None if bias is None else bias.detach().float().repeat(math.prod(spec.stride))
+    return patches.reshape(-1, weight.shape[0]), tiled
+
+
+def depth_to_space(out: torch.Tensor, a: torch.Tensor, t: Transposed) -> torch.Tensor:
+    """``out``, the Linear over the channels of ``a`` (``(N, *size, prod(kernel) * C_out)``; a channels-last ``a``
+    needs no copy for it), with the patches put in place, channels-last."""
+    n, size, channels = a.shape[0], a.shape[2:], out.shape[-1] // math.prod(t.patches)
+    if t.dim == 1:
+        return out.reshape(n, size[0] * t.patches[0], channels).movedim(-1, 1)
+    out = out.reshape(n, size[0], size[1], t.patches[0], t.patches[1], channels).transpose(2, 3)
+    return out.reshape(n, size[0] * t.patches[0], size[1] * t.patches[1], channels).movedim(-1, 1)
