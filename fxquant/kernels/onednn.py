@@ -11,8 +11,6 @@ Conventions, checked against the op schemas of torch 2.13 and numerically agains
   int32 first, which can move an output by at most one step.
 * Weight zero points must be 0; scales are 0-d (per-tensor) or one per output channel.
 * Conv returns channels-last tensors, so inputs are made channels-last up front (a no-op between two convs).
-* Ops are called through their ``.default`` overload: the overload packet checks every argument in Python first
-  (~10 us per call at batch 1 for these 13-argument ops).
 
 What does not work, measured with torch 2.13 (see ``tests/kernels/test_onednn_backend.py``):
 
@@ -187,7 +185,7 @@ def _qconv(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[float
     packed = w.packed if one_column or padding != list(spec.padding) else w.for_input(tuple(a.shape))
     clamp_after = post_op == "relu" and spec.dim == 3  # conv3d takes no post-op: its ReLU is a clamp after
     attr, algorithm = _POST_OPS["none" if clamp_after else post_op]
-    out = torch.ops.onednn.qconv_pointwise.default(
+    out = torch.ops.onednn.qconv_pointwise(
         a, x_scale, x_zp, packed, w.scale, w.zero_point, w.bias, list(spec.stride), padding,
         list(spec.dilation), spec.groups, *output, attr, [], algorithm,
     )
@@ -205,7 +203,7 @@ def _qlinear(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[flo
     """``onednn::qlinear_pointwise``; ``output`` and ``post_op`` as for ``_qconv``."""
     x_scale, x_zp = in_qp.scalar()
     attr, algorithm = _POST_OPS[post_op]
-    return torch.ops.onednn.qlinear_pointwise.default(
+    return torch.ops.onednn.qlinear_pointwise(
         a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, *output, attr, [], algorithm,
     )
 
@@ -318,6 +316,6 @@ class OnednnBackend(PlainInt8Backend):
         x = a.unsqueeze(-2) if dim == 1 else a
         batched = x.dim() == 4
         x = (x if batched else x.unsqueeze(0)).contiguous(memory_format=torch.channels_last)
-        out = torch.ops.quantized.max_pool2d.default(x, *_pool2d_arguments(dim, kwargs))
+        out = torch.ops.quantized.max_pool2d(x, *_pool2d_arguments(dim, kwargs))
         out = out if batched else out.squeeze(0)
         return out.squeeze(-2) if dim == 1 else out
