@@ -50,7 +50,7 @@ from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 _OPS = ("qlinear_prepack", "qlinear_pointwise", "qconv_prepack", "qconv_pointwise")
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 # fxquant's unary names -> the ops' (post-op, algorithm); both ops round once after it (checked against the
-# reference: within one step). qconv has no GELU post-op, conv3d no post-op at all.
+# reference: within one step). qconv has no GELU post-op; its 1-d and 3-d forms take none of these.
 _POST_OPS = {"silu": ("swish", ""), "hardswish": ("hardswish", ""), "gelu": ("gelu", "none"),
              "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", ""), "none": ("none", "")}
 
@@ -277,10 +277,11 @@ class OnednnBackend(PlainInt8Backend):
 
     def conv_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
                    unary_qp: QParams) -> torch.Tensor:
-        """As ``linear_unary``; conv3d has no post-ops, so it runs the unfused sequence."""
+        """As ``linear_unary`` for conv2d; conv1d and conv3d refuse these post-ops ("Unsupported post op swish for
+        quantized pointwise conv1d"), so they run the unfused sequence."""
         w: OnednnWeight = packed.payload
         assert w.spec is not None, "conv_unary() got weights packed by prepack_linear()"
-        if w.spec.dim == 3:
+        if w.spec.dim != 2:
             return super().conv_unary(a, packed, in_qp, out_qp, unary, unary_qp)
         scale, zero_point = unary_qp.scalar()
         return _within(_qconv(a, w, in_qp, (scale, zero_point, torch.uint8), unary), unary_qp)

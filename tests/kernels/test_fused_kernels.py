@@ -128,10 +128,10 @@ UNARY_CASES = [("linear", name) for name in ("silu", "hardswish", "gelu", "gelu_
 @pytest.mark.parametrize("seed", range(3))
 def test_unary_post_ops_match_the_reference(name: str, layer_kind: str, unary: str, seed: int) -> None:
     """``f(layer(x))`` quantized once: within one step of the reference's float result, function and rounding,
-    fused (oneDNN's post-op) or not (the default sequence), conv3d (no post-ops) included."""
+    fused (oneDNN's post-op) or not (the default sequence), conv1d and conv3d (no such post-ops) included."""
     backend, ref = get_backend(name), reference_backend()
     qrange = backend.activation_qrange(feeds_grouped_conv=False)
-    dims = (seed % 2 + 2) if layer_kind == "conv" else 0
+    dims = seed % 3 + 1 if layer_kind == "conv" else 0  # conv1d, conv2d, conv3d
     if layer_kind == "conv":
         spec = ConvSpec(dims, (1,) * dims, (1,) * dims, (1,) * dims, 1)
         case = ConvCase(spec, 2, 5, 7, (3,) * dims, (6,) * dims, bool(seed % 2), True, False)
