@@ -16,7 +16,8 @@ What does not work, measured with torch 2.13 (see ``tests/kernels/test_onednn_ba
 
 * conv3d on an input of depth 1 that is padded in depth comes out wrong (every output off by up to 255 steps, at
   any batch size; a 2x2x2 or 3x3x3 kernel with padding 1): such inputs are padded explicitly, as below. conv3d has
-  no ReLU post-op: its ReLU is a clamp at the output zero point after the op. 1d runs as 2d inside the op.
+  no ReLU post-op: its ReLU is a clamp at the output zero point after the op. conv1d runs as a conv2d over a height
+  of one, packed that way: the op's own 1-d path is slower and takes no SiLU/hardswish post-op.
 * When some output reads padding only (padding past the dilated kernel, or an input smaller than the dilation gaps),
   depthwise convs with a channel multiplier come out wrong and grouped convs on tiny inputs can crash the process.
   Those inputs are padded explicitly with the zero point and run unpadded: the same convolution, one copy slower;
@@ -50,7 +51,7 @@ from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 _OPS = ("qlinear_prepack", "qlinear_pointwise", "qconv_prepack", "qconv_pointwise")
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 # fxquant's unary names -> the ops' (post-op, algorithm); both ops round once after it (checked against the
-# reference: within one step). qconv has no GELU post-op; its 1-d and 3-d forms take none of these.
+# reference: within one step). qconv has no GELU post-op, and its 3-d form (and its own 1-d one) none of these.
 _POST_OPS = {"silu": ("swish", ""), "hardswish": ("hardswish", ""), "gelu": ("gelu", "none"),
              "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", ""), "none": ("none", "")}
 
@@ -77,6 +78,7 @@ class OnednnWeight:
     out_channels: int = 0
     repack: Callable[[list[int]], torch.Tensor] | None = None
     by_shape: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, compare=False)
+    height_one: bool = False  # a conv1d packed as a conv2d over a height of one (see ``prepack_conv``)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
         # The packed tensor is opaque (no storage to copy) and never modified after packing, so copies share it.
@@ -98,13 +100,13 @@ def _schema_is_verified(op: Any) -> bool:
 
 
 def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, packed: torch.Tensor,
-                   spec: ConvSpec | None = None,
-                   repack: Callable[[list[int]], torch.Tensor] | None = None) -> OnednnWeight:
+                   spec: ConvSpec | None = None, repack: Callable[[list[int]], torch.Tensor] | None = None,
+                   height_one: bool = False) -> OnednnWeight:
     scale = weight_scale(w_qp, weight).contiguous()
     float_bias = None if bias is None else bias.detach().to(torch.float32).contiguous()
     zero_point = torch.zeros(scale.shape, dtype=torch.int64)
     return OnednnWeight(packed, scale, zero_point, float_bias, spec, tuple(weight.shape[2:]), int(weight.shape[0]),
-                        repack)
+                        repack, height_one=height_one)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -177,6 +179,8 @@ def _qconv(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[float
     """``onednn::qconv_pointwise`` on channels-last input; ``output``: (scale, zero point, dtype) of the result;
     ``post_op``: a ``_POST_OPS`` name applied to the float result before that."""
     x_scale, x_zp = in_qp.scalar()
+    if w.height_one:
+        a = a.unsqueeze(2)
     a, padding, one_column = _safe_input(a, w, x_zp)
     if a.dim() in _CHANNELS_LAST:
         a = a.contiguous(memory_format=_CHANNELS_LAST[a.dim()])
@@ -191,7 +195,8 @@ def _qconv(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[float
     )
     if clamp_after:
         out = out.clamp_(min=output[1])  # real zero is the output zero point (0 for a float output)
-    return out[..., :1] if one_column else out
+    out = out[..., :1] if one_column else out
+    return out.squeeze(2) if w.height_one else out
 
 
 def _relu(relu: bool) -> str:
@@ -257,13 +262,18 @@ class OnednnBackend(PlainInt8Backend):
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
         x_scale, x_zp = in_qp.scalar()
-        contiguous, scales = weight.contiguous(), weight_scale(w_qp, weight)
+        height_one = spec.dim == 1  # the op's own 1-d path is up to 1.6x slower than a 2-d conv over height 1
+        if height_one:
+            weight = weight.unsqueeze(2)
+            spec = ConvSpec(2, (1, *spec.stride), (0, *spec.padding), (1, *spec.dilation), spec.groups)
+        contiguous, scales, geometry = weight.contiguous(), weight_scale(w_qp, weight), spec
 
         def pack(input_shape: list[int] | None) -> torch.Tensor:
-            return torch.ops.onednn.qconv_prepack(contiguous, scales, x_scale, x_zp, list(spec.stride),
-                                                  list(spec.padding), list(spec.dilation), spec.groups, input_shape)
+            return torch.ops.onednn.qconv_prepack(contiguous, scales, x_scale, x_zp, list(geometry.stride),
+                                                  list(geometry.padding), list(geometry.dilation), geometry.groups,
+                                                  input_shape)
 
-        return PackedWeight(self.name, _onednn_weight(weight, w_qp, bias, pack(None), spec, repack=pack))
+        return PackedWeight(self.name, _onednn_weight(weight, w_qp, bias, pack(None), spec, pack, height_one))
 
     def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
              relu: bool) -> torch.Tensor:
@@ -277,8 +287,8 @@ class OnednnBackend(PlainInt8Backend):
 
     def conv_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
                    unary_qp: QParams) -> torch.Tensor:
-        """As ``linear_unary`` for conv2d; conv1d and conv3d refuse these post-ops ("Unsupported post op swish for
-        quantized pointwise conv1d"), so they run the unfused sequence."""
+        """As ``linear_unary`` for conv2d (and conv1d, packed as a conv2d); conv3d refuses these post-ops
+        ("Unsupported post op swish for quantized pointwise conv3d"), so it runs the unfused sequence."""
         w: OnednnWeight = packed.payload
         assert w.spec is not None, "conv_unary() got weights packed by prepack_linear()"
         if w.spec.dim != 2:
@@ -293,6 +303,8 @@ class OnednnBackend(PlainInt8Backend):
         does not take (conv1d, the one-column workaround) run as conv then add."""
         w: OnednnWeight = packed.payload
         assert w.spec is not None, "conv_add() got weights packed by prepack_linear()"
+        if w.height_one:
+            return super().conv_add(a, packed, accum, qps, relu=relu)
         (x_scale, x_zp), (out_scale, out_zp) = qps.input.scalar(), qps.out.scalar()
         safe, padding, one_column = _safe_input(a, w, x_zp)
         if safe.dim() != 4 or one_column or accum.dtype != torch.uint8 or accum.shape != _out_shape(safe, w, padding):
