@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from fxquant.auto import convert_auto
+from fxquant.auto import FAMILIES, convert_auto, family_of, relower_layers
 from fxquant.calibration import calibrate, observers_of
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError, ConfigError, InputError, TraceError
@@ -169,7 +169,8 @@ def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = 
 
 
 def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float: Collection[str] = (),
-            example_inputs: tuple[Any, ...] | None = None) -> fx.GraphModule:
+            example_inputs: tuple[Any, ...] | None = None,
+            layer_backends: Mapping[str, str] | None = None) -> fx.GraphModule:
     """Replace observed Linear/Conv/add nodes with INT8 modules running on ``backend`` (default: the config's).
 
     ``keep_float`` (fnmatch patterns on module paths, like ``QuantConfig.exclude``) keeps those layers float without
@@ -179,7 +180,9 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
     ``backend="auto"`` measures the available kernels on this CPU on each layer's real shapes (see
     :mod:`fxquant.auto`); ``fxquant.coverage`` shows the backend each layer got. The fastest kernel depends on the
     batch size (fbgemm leads at batch 1, oneDNN at 32 on AMX CPUs), so pass ``example_inputs`` shaped like your
-    deployment batches; by default auto measures on random inputs shaped like prepare()'s ``example_inputs``. Raises
+    deployment batches; by default auto measures on random inputs shaped like prepare()'s ``example_inputs``. The
+    choices are recorded (``quant_state(qmodel).layer_backends``, and in saved artifacts); ``layer_backends=`` with
+    ``backend="auto"`` replays such a record without measuring, so a saved auto model loads as it was. Raises
     ``CalibrationError`` listing the observers that saw no data. ``prepared`` is left unchanged. Example::
 
         qmodel = fxquant.convert(prepared, backend="auto", example_inputs=(torch.randn(32, 3, 224, 224),))
@@ -192,27 +195,48 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
         raise CalibrationError(f"{len(empty)} observer(s) saw no data: {', '.join(empty)}. Run "
                                "fxquant.calibrate(prepared, data) with data that reaches them before convert().")
     name = backend or state.config.backend
-    if example_inputs is not None and name != "auto":
-        raise InputError(f"convert(example_inputs=...) sets the inputs backend='auto' measures kernels on; the "
-                         f"backend here is {name!r}. Drop example_inputs, or pass backend='auto'.")
+    for option, value in (("example_inputs", example_inputs), ("layer_backends", layer_backends)):
+        if value is not None and name != "auto":
+            raise InputError(f"convert({option}=...) is for backend='auto'; the backend here is {name!r}. Drop "
+                             f"{option}, or pass backend='auto'.")
     final = apply_statistics(prepared, keep_float=keep_float)
-    gm = _convert_auto(final, state, example_inputs) if name == "auto" else _lower(final, state.config, name)
+    choices: dict[str, str] = {}
+    if name != "auto":
+        gm = _lower(final, state.config, name)
+    elif layer_backends:
+        gm, choices = _replay_auto(final, state, dict(layer_backends))
+    else:
+        gm, choices = _convert_auto(final, state, example_inputs)
     statistics = {f"{name}.{key}": value.detach().clone()  # nested island observers too (fxquant.save needs all)
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
-    gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics)
+    gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics,
+                                 layer_backends=choices)
     return gm
 
 
-def _convert_auto(final: fx.GraphModule, state: QuantState, example_inputs: Any) -> fx.GraphModule:
+def _replay_auto(final: fx.GraphModule, state: QuantState, choices: dict[str, str]
+                 ) -> tuple[fx.GraphModule, dict[str, str]]:
+    """``backend="auto"`` with recorded per-layer choices: the same model, without measuring anything."""
+    family = family_of(choices)
+    if family is None:
+        families = " or ".join("/".join(f) for f in FAMILIES)
+        raise InputError(f"layer_backends must name backends of one auto family ({families}), got "
+                         f"{sorted(set(choices.values()))}")
+    gm = _lower(final, state.config, family)
+    return gm, relower_layers(gm, choices)
+
+
+def _convert_auto(final: fx.GraphModule, state: QuantState, example_inputs: Any
+                  ) -> tuple[fx.GraphModule, dict[str, str]]:
     """``backend="auto"`` on the user's timing inputs, or on random ones shaped like prepare()'s."""
     def lower(gm: fx.GraphModule, backend: str) -> fx.GraphModule:
         return _lower(gm, state.config, backend)
 
     if example_inputs is None:
-        return convert_auto(final, lower, tuple(spec.make() for spec in state.example_inputs))[0]
+        return convert_auto(final, lower, tuple(spec.make() for spec in state.example_inputs))
     example = _check_example_inputs(example_inputs)
     try:
-        return convert_auto(final, lower, example)[0]
+        return convert_auto(final, lower, example)
     except (RuntimeError, TypeError, ValueError, IndexError) as error:
         raise InputError(f"convert(backend='auto', example_inputs=...): the model does not run on "
                          f"{_describe(example)} ({type(error).__name__}: {str(error).splitlines()[0]}); pass inputs "

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from fxquant.cpu import cpu_model
+from fxquant.errors import InputError
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.nn.quantized import _QuantizedWeighted
 
@@ -90,9 +91,19 @@ def _choose_layers(gm: fx.GraphModule, family: tuple[str, ...], example: tuple[A
             names = [name for name in family if _compatible(module, name)]
             times = _time_layer(module, names, x) if len(names) > 1 else {}
             chosen[path] = min(times, key=times.__getitem__) if times else module.backend.name
-            if chosen[path] != module.backend.name:
-                module.relower(get_backend(chosen[path]))
-    return chosen
+    return relower_layers(gm, chosen)
+
+
+def relower_layers(gm: fx.GraphModule, choices: dict[str, str]) -> dict[str, str]:
+    """Move each Linear/Conv named in ``choices`` to its backend there (same activation representation)."""
+    for path, name in choices.items():
+        module = dict(gm.named_modules()).get(path)
+        if not isinstance(module, _QuantizedWeighted):
+            raise InputError(f"layer_backends names {path!r}, which is not a quantized Linear/Conv of this model; "
+                             "record the choices from a conversion of the same model and configuration")
+        if module.backend.name != name:
+            module.relower(get_backend(name))
+    return choices
 
 
 def _families() -> Iterator[tuple[str, ...]]:
@@ -103,6 +114,11 @@ def _families() -> Iterator[tuple[str, ...]]:
             yield members
     if not available & {name for family in FAMILIES for name in family}:
         yield ("reference",)
+
+
+def family_of(choices: dict[str, str]) -> str | None:
+    """The backend to lower a whole model with before ``relower_layers(choices)``: its family's first member."""
+    return next((family[0] for family in FAMILIES if choices and set(choices.values()) <= set(family)), None)
 
 
 def convert_auto(prepared: fx.GraphModule, lower: Callable[[fx.GraphModule, str], fx.GraphModule],

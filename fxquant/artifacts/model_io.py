@@ -46,7 +46,7 @@ def manifest_for(model: fx.GraphModule) -> tuple[Manifest, dict[str, Any]]:
     state = quant_state(model)
     manifest = Manifest(stage=state.stage, config=state.config.to_dict(),
                         example_inputs=input_spec_dicts(state.example_inputs), backend=state.backend,
-                        calibration_samples=state.calibration_samples)
+                        layer_backends=dict(state.layer_backends), calibration_samples=state.calibration_samples)
     if state.stage == "converted":
         set_graph(manifest, "converted", model)
         return manifest, {"observers": dict(state.observer_state), "quantized": tensor_state(model)}
@@ -114,7 +114,7 @@ def rebuild(directory: Path, manifest: Manifest, model: nn.Module,
     update_state(prepared, calibration_samples=manifest.calibration_samples)
     if manifest.stage == "calibrated":
         return prepared
-    quantized = convert(prepared, backend=manifest.backend)
+    quantized = convert(prepared, backend=manifest.backend, layer_backends=manifest.layer_backends or None)
     if "converted" in manifest.graphs:
         check_graph(quantized, manifest.graphs["converted"], "converted")
     check_weights(quantized, load_role(directory, manifest, "quantized"))

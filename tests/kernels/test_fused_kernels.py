@@ -253,3 +253,18 @@ def test_quantize_takes_an_input_that_requires_grad(name: str) -> None:
     x = torch.randn(2, 3, 4, 5, requires_grad=True)
     qp = QParams(torch.tensor(0.05), torch.tensor(100), 0, 255)
     assert torch.equal(get_backend(name).quantize(x, qp), quantize(x.detach(), qp))
+
+
+@pytest.mark.parametrize("name", PLAIN)
+@pytest.mark.parametrize(("shape", "dtype"), [((3, 70_000), torch.float32), ((5, 3, 150, 150), torch.float32),
+                                              ((4, 40_000), torch.float16), ((2, 33_000), torch.float64)])
+def test_chunked_quantize_equals_the_formula(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Above the small-tensor cutoff quantize runs in chunks of whole samples on reused buffers: still the formula
+    exactly, for every sample, whatever the float type; 4-d results channels-last on backends computing so."""
+    x = (torch.randn(shape, generator=torch.Generator().manual_seed(len(shape))) * 4).to(dtype)
+    qp = QParams(torch.tensor(0.03), torch.tensor(121), 0, 255)
+    backend = get_backend(name)
+    got = backend.quantize(x, qp)
+    assert torch.equal(got, quantize(x, qp))
+    if len(shape) == 4 and getattr(backend, "channels_last", False):
+        assert got.is_contiguous(memory_format=torch.channels_last)

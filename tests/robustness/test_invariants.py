@@ -125,16 +125,21 @@ def _calibrated_copies(spec: ModelSpec, data: DataSpec, observer: str) -> tuple[
 
 
 def _assert_same_statistics(a: torch.fx.GraphModule, b: torch.fx.GraphModule, what: str) -> None:
-    """Identical statistics, except that a histogram may hold a few values one bin over: the float32 bin index
-    of a value within an ulp of a bin edge depends on the grid it was first counted on (docs/robustness.md)."""
+    """Identical statistics, except that a histogram may hold some values one bin over: the float32 bin index of a
+    signed value within ~1e-4 bins below an edge depends on the grid it was counted on (docs/calibration.md), and
+    heavy-tailed data (a coarse grid) can put several values that close to the edge at zero. Each such value moves
+    exactly one bin, so the histograms' earth mover's distance equals the number of values moved."""
     for name, observer in observers_of(a).items():
         other = observers_of(b)[name]
         theirs = other.state_dict()
         for key, value in observer.state_dict().items():
             if key == "histogram":
-                moved = float((value - theirs[key]).abs().sum()) / 2
-                assert float(value.sum()) == float(theirs[key].sum()) and moved <= 1 + 1e-3 * float(value.sum()), \
-                    f"{what}: {name}.{key}: {moved} counts moved ({observer.label})"
+                difference = value - theirs[key]
+                moved = float(difference.abs().sum()) / 2
+                one_bin = float(torch.cumsum(difference, 0).abs().sum()) == moved
+                assert float(value.sum()) == float(theirs[key].sum()) and one_bin and \
+                    moved <= 1 + 0.05 * float(value.sum()), f"{what}: {name}.{key}: {moved} counts moved " \
+                    f"({observer.label}), {'each by one bin' if one_bin else 'some by more than one bin'}"
             else:
                 assert torch.equal(value, theirs[key]), f"{what}: {name}.{key} differs ({observer.label})"
         step = float(observer.qparams().scale)
