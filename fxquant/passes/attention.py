@@ -37,7 +37,7 @@ def _is_matmul(node: fx.Node) -> bool:
 
 
 def _transposed_source(node: fx.Node) -> fx.Node | None:
-    """``k`` when ``node`` swaps the last two dims of ``k`` (transpose(-2, -1), mT, or a permute ending ..., 3, 2)."""
+    """``k`` when ``node`` swaps the last two dims of ``k`` (``transpose(-2, -1)``, or ``permute(0, 1, 3, 2)``)."""
     if node.op not in ("call_function", "call_method") or not node.args or not isinstance(node.args[0], fx.Node):
         return None
     source, rest = node.args[0], tuple(node.args[1:])
@@ -154,9 +154,7 @@ def fuse_attention(gm: fx.GraphModule) -> fx.GraphModule:
     """Replace every recognised attention pattern by one ``F.scaled_dot_product_attention`` call, in place."""
     modules = modules_of(gm)
     changed = False
-    for node in reversed(nodes_of(gm)):  # from the output matmul backwards: each match is found whole
-        if node.graph is not gm.graph or node not in gm.graph.nodes:
-            continue
+    for node in reversed(nodes_of(gm)):  # from the output matmul backwards; replaced nodes go at ``finish``
         match = _attention(node, modules)
         if match is None:
             continue
