@@ -96,8 +96,9 @@ def _choose_layers(gm: fx.GraphModule, family: tuple[str, ...], example: tuple[A
 
 def relower_layers(gm: fx.GraphModule, choices: dict[str, str]) -> dict[str, str]:
     """Move each Linear/Conv named in ``choices`` to its backend there (same activation representation)."""
+    modules = dict(gm.named_modules())
     for path, name in choices.items():
-        module = dict(gm.named_modules()).get(path)
+        module = modules.get(path)
         if not isinstance(module, _QuantizedWeighted):
             raise InputError(f"layer_backends names {path!r}, which is not a quantized Linear/Conv of this model; "
                              "record the choices from a conversion of the same model and configuration")

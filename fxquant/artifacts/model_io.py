@@ -31,6 +31,14 @@ def set_graph(manifest: Manifest, kind: str, gm: fx.GraphModule) -> None:
     manifest.fingerprints[kind] = fingerprint(manifest.graphs[kind])
 
 
+def set_converted(manifest: Manifest, quantized: fx.GraphModule) -> None:
+    """Record what rebuilding ``quantized`` takes besides statistics: its backend, auto's per-layer choices (replayed
+    on load, not measured again) and its graph."""
+    state = quant_state(quantized)
+    manifest.backend, manifest.layer_backends = state.backend, dict(state.layer_backends)
+    set_graph(manifest, "converted", quantized)
+
+
 def observer_statistics(prepared: fx.GraphModule) -> dict[str, torch.Tensor]:
     """The observers' state-dict entries (``observer_0.min_val``, ...), detached copies."""
     return {f"{name}.{key}": value.detach().clone()
@@ -46,9 +54,9 @@ def manifest_for(model: fx.GraphModule) -> tuple[Manifest, dict[str, Any]]:
     state = quant_state(model)
     manifest = Manifest(stage=state.stage, config=state.config.to_dict(),
                         example_inputs=input_spec_dicts(state.example_inputs), backend=state.backend,
-                        layer_backends=dict(state.layer_backends), calibration_samples=state.calibration_samples)
+                        calibration_samples=state.calibration_samples)
     if state.stage == "converted":
-        set_graph(manifest, "converted", model)
+        set_converted(manifest, model)
         return manifest, {"observers": dict(state.observer_state), "quantized": tensor_state(model)}
     set_graph(manifest, "prepared", model)
     if not any(obs.has_data for obs in observers_of(model).values()):

@@ -101,7 +101,7 @@ def _plain(args: argparse.Namespace) -> int:
 def _write(args: argparse.Namespace, prepared: fx.GraphModule, quantized: fx.GraphModule,
            extra: dict[str, Any], text: str = "") -> None:
     """Record ``prepared``'s config, graph and statistics, then ``quantized``, as RUN_DIR's converted stage."""
-    from fxquant.artifacts.model_io import observer_statistics, set_graph, tensor_state
+    from fxquant.artifacts.model_io import observer_statistics, set_converted, set_graph, tensor_state
     from fxquant.graph_view import node_role
     from fxquant.state import quant_state
 
@@ -110,8 +110,7 @@ def _write(args: argparse.Namespace, prepared: fx.GraphModule, quantized: fx.Gra
     manifest.config = state.config.to_dict()
     set_graph(manifest, "prepared", prepared)
     manifest.calibration_samples = state.calibration_samples
-    manifest.backend = quant_state(quantized).backend
-    set_graph(manifest, "converted", quantized)
+    set_converted(manifest, quantized)
     tensors = {"observers": observer_statistics(prepared), "quantized": tensor_state(quantized)}
     advance(directory, manifest, "converted", tensors, backend=manifest.backend, **extra)
     modules = dict(quantized.named_modules())

@@ -125,6 +125,6 @@ def advance(directory: Path, manifest: Manifest, stage: str, tensors: dict[str, 
         for mapping in (manifest.graphs, manifest.fingerprints):
             mapping.pop("converted", None)
         manifest.files.pop("quantized", None)
-        manifest.backend = None
+        manifest.backend, manifest.layer_backends = None, {}
     manifest.record(stage, **details)
     commit(directory, manifest, tensors)

@@ -266,12 +266,11 @@ class OnednnBackend(PlainInt8Backend):
         if height_one:
             weight = weight.unsqueeze(2)
             spec = ConvSpec(2, (1, *spec.stride), (0, *spec.padding), (1, *spec.dilation), spec.groups)
-        contiguous, scales, geometry = weight.contiguous(), weight_scale(w_qp, weight), spec
+        contiguous, scales = weight.contiguous(), weight_scale(w_qp, weight)
 
         def pack(input_shape: list[int] | None) -> torch.Tensor:
-            return torch.ops.onednn.qconv_prepack(contiguous, scales, x_scale, x_zp, list(geometry.stride),
-                                                  list(geometry.padding), list(geometry.dilation), geometry.groups,
-                                                  input_shape)
+            return torch.ops.onednn.qconv_prepack(contiguous, scales, x_scale, x_zp, list(spec.stride),
+                                                  list(spec.padding), list(spec.dilation), spec.groups, input_shape)
 
         return PackedWeight(self.name, _onednn_weight(weight, w_qp, bias, pack(None), spec, pack, height_one))
 

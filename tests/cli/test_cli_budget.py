@@ -17,6 +17,7 @@ import pytest
 import torch
 from cli_testing import error_line, run_cli, snapshot
 
+from fxquant.auto import FAMILIES
 from fxquant.cli.convert import EXIT_BUDGET_MISSED
 from fxquant.models.digits import DigitsCNN, load_digits_splits
 
@@ -140,6 +141,11 @@ def test_auto_backend_times_kernels_on_the_given_deployment_batch(budget_setup: 
     result = run_cli("--json", "convert", str(run), "--backend", "auto", "--example-inputs", "32x1x8x8")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["backend"] == "auto"
+    # the per-layer choices go into RUN_DIR, so `fxquant report` rebuilds the same model instead of timing again
+    # (a flipped choice used to fail its graph check there)
+    choices = json.loads((run / "manifest.json").read_text())["layer_backends"]
+    assert sorted(choices) == ["conv1", "conv2", "fc1", "fc2"], choices
+    assert any(set(choices.values()) <= set(family) for family in FAMILIES), choices
     assert _report_drop_points(budget_setup, run) < 50  # a working INT8 model (the per-tensor digits CNN loses ~11)
 
 
