@@ -17,6 +17,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from fxquant.auto import FAMILIES, convert_auto, family_of, relower_layers
 from fxquant.calibration import calibrate, observers_of
+from fxquant.calibration.memory_format import runs_channels_last
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError, ConfigError, InputError, TraceError
 from fxquant.islands import lower_islands, prepare_graph, prepare_islands, prepared_islands, wrap_untraceable_root
@@ -135,7 +136,8 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
         breaks = (*breaks, *prepare_islands(gm, breaks, config))
     specs = tuple(InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
                   for v in example_inputs if isinstance(v, torch.Tensor))
-    gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped)
+    gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped,
+                                    channels_last=runs_channels_last(gm, example_inputs))
     if not observers_of(gm):  # documented (docs/robustness.md): a no-op, not an error, so all-float fallbacks work
         log.warning("fxquant: %s has no Linear/Conv layer to quantize (all excluded or untraceable); "
                     "convert() will return it unchanged, in float", type(model).__name__)

@@ -26,6 +26,7 @@ HistogramObserver. Run: ``python scripts/bench_calibration.py [--quick]`` (the d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import itertools
@@ -33,7 +34,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -91,10 +92,20 @@ def build(label: str, model: nn.Module, example: tuple[Any, ...]) -> nn.Module:
     if family == "torch.ao":
         return torch_ao_prepared(model, example, name) if name != "off" else _without_observers(
             torch_ao_prepared(model, example, "minmax"))
-    prepared = fxquant.prepare(model, example, fxquant.QuantConfig(activation="minmax" if name == "off" else name))
-    for observer in observers_of(prepared).values():
-        observer.enabled = name != "off"
-    return prepared
+    return fxquant.prepare(model, example, fxquant.QuantConfig(activation="minmax" if name == "off" else name))
+
+
+@contextlib.contextmanager
+def calibrating(label: str, module: nn.Module) -> Iterator[None]:
+    """fxquant's models run inside ``fxquant.observing`` as ``fxquant.calibrate`` runs them (channels-last Conv2d
+    weights where prepare() found the model runs that way); ``fxquant[off]`` there with its observers disabled."""
+    if not label.startswith("fxquant["):
+        yield
+        return
+    with fxquant.observing(module) as observers:
+        for observer in observers.values():
+            observer.enabled = label != "fxquant[off]"
+        yield
 
 
 def _without_observers(prepared: nn.Module) -> nn.Module:
@@ -116,8 +127,11 @@ def cycling(module: nn.Module, batches: list[tuple[Any, ...]]) -> Callable[[], A
 def time_workload(name: str, batch_size: int, args: argparse.Namespace) -> dict[str, LatencyStats]:
     model = create_model(name)
     batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 5)]
-    fns = {label: cycling(build(label, model, batches[0]), batches) for label in labels()}
-    with _quiet_torch_deprecations():
+    modules = {label: build(label, model, batches[0]) for label in labels()}
+    with contextlib.ExitStack() as stack, _quiet_torch_deprecations():
+        for label, module in modules.items():
+            stack.enter_context(calibrating(label, module))
+        fns = {label: cycling(module, batches) for label, module in modules.items()}
         return measure_latency(fns, warmup=1, min_runs=3 if args.quick else 5, max_runs=40,
                                time_budget_s=20 if args.quick else 60, threads=args.threads)
 
@@ -148,7 +162,7 @@ def probe_memory(name: str, label: str, batch_size: int) -> dict[str, float]:
     batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 3)]
     module = build(label, create_model(name), batches[0])
     gc.collect()
-    with torch.inference_mode(), _quiet_torch_deprecations():
+    with calibrating(label, module), torch.inference_mode(), _quiet_torch_deprecations():
         _set_observing(module, False)
         module(*batches[0])
         peak, before = _status_mb("VmHWM"), _status_mb("VmRSS")
@@ -279,6 +293,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small batches and short timing budgets")
     parser.add_argument("--threads", type=int, default=1, help="torch threads while timing (default 1)")
     parser.add_argument("--skip-memory", action="store_true", help="no per-configuration memory subprocesses")
+    parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS),
+                        help="models to time (default: all)")
+    parser.add_argument("--skip-accuracy", action="store_true", help="no per-observer accuracy section")
     parser.add_argument("--probe", nargs=3, metavar=("MODEL", "LABEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.probe:
@@ -288,6 +305,8 @@ def main() -> None:
     print(f"- timing threads: {args.threads}; forward peak MB = peak RSS of the timed forwards above the RSS before")
     targets: list[str] = []
     for name, batch_size in (QUICK_WORKLOADS if args.quick else WORKLOADS).items():
+        if name not in args.models:
+            continue
         stats = time_workload(name, batch_size, args)
         nan = {"peak_mb": float("nan"), "growth_mb": float("nan"), "state_kb": float("nan")}
         memory = {label: nan if args.skip_memory else memory_of(name, label, batch_size) for label in stats}
@@ -295,7 +314,8 @@ def main() -> None:
         targets += target_lines(name, stats)
     print("\n## Targets\n" + "\n".join(targets) + "\n\n" + RATIOS)
     print("".join(f"- at the end of the timing: {line}" for line in environment_lines() if line.startswith("load")))
-    print("\n".join(accuracy_section()))
+    if not args.skip_accuracy:
+        print("\n".join(accuracy_section()))
 
 
 if __name__ == "__main__":

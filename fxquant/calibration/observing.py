@@ -8,7 +8,14 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from fxquant.calibration.memory_format import channels_last_convs
 from fxquant.observers import Observer
+from fxquant.state import STATE_KEY, QuantState
+
+
+def _channels_last(prepared: nn.Module) -> bool:
+    state = getattr(prepared, "meta", {}).get(STATE_KEY)
+    return isinstance(state, QuantState) and state.channels_last
 
 
 def observers_of(model: nn.Module) -> dict[str, Observer]:
@@ -18,6 +25,9 @@ def observers_of(model: nn.Module) -> dict[str, Observer]:
 @contextlib.contextmanager
 def observing(prepared: nn.Module) -> Iterator[dict[str, Observer]]:
     """Enable every observer of ``prepared`` and run the block under ``torch.inference_mode()``.
+
+    Where prepare() found that the model runs that way, Conv2d weights are channels-last inside the block (faster
+    float convolutions; see :mod:`fxquant.calibration.memory_format`), and put back on exit.
 
     Example::
 
@@ -32,7 +42,7 @@ def observing(prepared: nn.Module) -> Iterator[dict[str, Observer]]:
     for obs in observers.values():
         obs.enabled = True
     try:
-        with torch.inference_mode():
+        with channels_last_convs(prepared, enabled=_channels_last(prepared)), torch.inference_mode():
             yield observers
     finally:
         for name, obs in observers.items():

@@ -10,12 +10,15 @@ edge may land in the neighbouring bin (documented in ``docs/calibration.md``), w
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxquant.observers import HistogramObserver
 from fxquant.observers.hist_math import grid_for
+
+pytestmark = pytest.mark.usefixtures("counting_path")
 
 BINS = (16, 2048)
 

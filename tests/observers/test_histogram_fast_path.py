@@ -16,6 +16,8 @@ from fxquant.errors import CalibrationError
 from fxquant.observers import HistogramObserver, HistogramObserverBase, Observer, counting
 from fxquant.observers.hist_math import grid_for
 
+pytestmark = pytest.mark.usefixtures("counting_path")
+
 CHUNK = counting._COUNT_CHUNK
 
 
