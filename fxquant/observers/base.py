@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fxquant.errors import CalibrationError
+from fxquant.observers.counting import dense_flat
 from fxquant.qparams import UINT8_RANGE, QParams, affine_qparams
 
 
@@ -65,7 +66,7 @@ class Observer(nn.Module):
 
     def _record(self, x: torch.Tensor) -> None:
         """``update`` without the autograd guard: range, ``_update`` hook, then the running statistics."""
-        lo, hi = torch.aminmax(x)
+        lo, hi = torch.aminmax(dense_flat(x))  # channels-last activations: reduced in memory order, no copy
         self._check_finite(lo.item(), hi.item())
         self._update(x, lo, hi)
         self._count(lo, hi, x.numel())

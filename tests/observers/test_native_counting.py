@@ -39,7 +39,7 @@ def assert_same(native: tuple[float, float, torch.Tensor | None], reference: tup
         assert math.isnan(lo) or lo <= ref_lo
         return
     assert (lo, hi) == (ref_lo, ref_hi)
-    assert counts is not None and torch.equal(counts, ref_counts.double()), f"{(counts - ref_counts).abs().sum()} differ"
+    assert counts is not None and torch.equal(counts, ref_counts.double()), f"{(counts - ref_counts).abs().sum()} off"
 
 
 @pytest.mark.parametrize("size", [1, 3, 15, 16, 17, 2047, 2048, 2049, 70_001, 3 * counting._COUNT_CHUNK + 5])
