@@ -1,4 +1,7 @@
-/* fxquant._native: the histogram observers' hot loop in C (see fxquant/observers/counting.py for the contract).
+/* fxquant._native: two hot loops in C, each with a torch fallback that gives the same results.
+ *
+ * scan_f32: the histogram observers' counting (see fxquant/observers/counting.py for the contract).
+ * quantize_f32: float32 -> uint8/int8 activations (fxquant/kernels/plain_int8.py), optionally NCHW -> NHWC.
  *
  * One call reads a batch of float32 values once: per block of values that fits in L1, a min/max/NaN pass, then
  * (while every value seen lies on the grid) the bin indices and their counts. torch has no fused op for this; its
@@ -149,8 +152,83 @@ static PyObject *scan_f32(PyObject *self, PyObject *args) {
     return Py_BuildValue("ddO", (double)lo, (double)hi, on_grid ? Py_True : Py_False);
 }
 
+/* round(v) half to even for |v| <= 2**22 in the default rounding mode, without SSE4.1's roundps: adding and
+ * subtracting 1.5 * 2**23 leaves no fraction bits (the compiler may not fold it: no -ffast-math). */
+static inline float round_even(float v) {
+    const float magic = 12582912.0f;
+    return (v + magic) - magic;
+}
+
+/* q = clamp(round(x / scale) + zero_point, qmin, qmax), as fxquant.qparams.quantize computes it in float32. The
+ * quotient is first clamped to one step beyond the range (so rounding stays exact and NaN becomes qmin), then rounded
+ * and clamped to it: the same result for every finite x. */
+static inline float quantized(float x, float scale, float lo, float hi) {
+    float v = x / scale;
+    v = v > lo - 1.0f ? v : lo - 1.0f;
+    v = v < hi + 1.0f ? v : hi + 1.0f;
+    v = round_even(v);
+    v = v > lo ? v : lo;
+    return v < hi ? v : hi;
+}
+
+#define QUANT_BLOCK 256
+
+/* quantize_f32(x_ptr, out_ptr, outer, channels, inner, scale, zero_point, qmin, qmax, signed_out, to_nhwc)
+ *
+ * x: outer * channels * inner dense float32 values in that order (NCHW: outer = N, inner = H * W); out: as many
+ * uint8 (signed_out: int8) values, in the same order, or with to_nhwc in outer * inner * channels order (NHWC,
+ * i.e. torch.channels_last memory). One read and one write per value; torch needs a pass per step and ~0.5 ns per
+ * byte more for the NCHW -> NHWC copy of a 3-channel image.
+ */
+static PyObject *quantize_f32(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, out_addr;
+    long long outer, channels, inner, zero_point, qmin, qmax;
+    double scale;
+    int signed_out, to_nhwc;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKLLLdLLLpp", &x_addr, &out_addr, &outer, &channels, &inner, &scale, &zero_point,
+                          &qmin, &qmax, &signed_out, &to_nhwc))
+        return NULL;
+    if (outer < 0 || channels < 1 || inner < 0 || !(scale > 0) || qmin > qmax || qmin < -128 || qmax > 255) {
+        PyErr_SetString(PyExc_ValueError, "quantize_f32: bad shape, scale or range");
+        return NULL;
+    }
+    const float *x = (const float *)(uintptr_t)x_addr;
+    uint8_t *out_u8 = (uint8_t *)(uintptr_t)out_addr;
+    int8_t *out_s8 = (int8_t *)(uintptr_t)out_addr;
+    const float fscale = (float)scale, lo = (float)(qmin - zero_point), hi = (float)(qmax - zero_point);
+    const int zp = (int)zero_point;
+    Py_BEGIN_ALLOW_THREADS
+    if (!to_nhwc) {
+        const int64_t total = outer * channels * inner;
+        if (signed_out)
+            for (int64_t i = 0; i < total; i++) out_s8[i] = (int8_t)((int)quantized(x[i], fscale, lo, hi) + zp);
+        else
+            for (int64_t i = 0; i < total; i++) out_u8[i] = (uint8_t)((int)quantized(x[i], fscale, lo, hi) + zp);
+    } else {
+        float block[QUANT_BLOCK];
+        for (int64_t n = 0; n < outer; n++) {
+            for (int64_t begin = 0; begin < inner; begin += QUANT_BLOCK) {
+                const int64_t len = inner - begin < QUANT_BLOCK ? inner - begin : QUANT_BLOCK;
+                const int64_t base = (n * inner + begin) * channels;
+                for (int64_t c = 0; c < channels; c++) {
+                    const float *src = x + (n * channels + c) * inner + begin;
+                    for (int64_t i = 0; i < len; i++) block[i] = quantized(src[i], fscale, lo, hi);
+                    if (signed_out)
+                        for (int64_t i = 0; i < len; i++) out_s8[base + i * channels + c] = (int8_t)((int)block[i] + zp);
+                    else
+                        for (int64_t i = 0; i < len; i++) out_u8[base + i * channels + c] = (uint8_t)((int)block[i] + zp);
+                }
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scan_f32", scan_f32, METH_VARARGS, "Min, max and grid counts of dense float32 values in one read."},
+    {"quantize_f32", quantize_f32, METH_VARARGS, "float32 -> uint8/int8 with one scale and zero point (NCHW->NHWC)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -31,17 +31,11 @@ versus all data counted at once on the final grid — what holds is:
 from __future__ import annotations
 
 import math
-from types import ModuleType
 
 import torch
 
+from fxquant import native
 from fxquant.scratch import scratch
-
-_native: ModuleType | None
-try:
-    from fxquant import _native
-except ImportError:  # installed without a C compiler: the torch path
-    _native = None
 
 _INT16_BINS = 32767
 _NATIVE_BINS = 1 << 22
@@ -71,7 +65,7 @@ def _use_native(x: torch.Tensor, bins: int) -> bool:
     :func:`~fxquant.observers.hist_math.grid_for` keeps ``start / width`` below 2**22, so with up to 2**22 bins both
     edges are integers below 2**24 times a power of two.
     """
-    return (_native is not None and x.dtype == torch.float32 and x.device.type == "cpu" and bins <= _NATIVE_BINS
+    return (native.loops is not None and x.dtype == torch.float32 and x.device.type == "cpu" and bins <= _NATIVE_BINS
             and torch.get_num_threads() <= 4)
 
 
@@ -79,9 +73,9 @@ def _native_scan(flat: torch.Tensor, grid: Grid) -> tuple[float, float, torch.Te
     """:func:`scan` by the C loop; the counts are a per-thread scratch buffer, valid until the next call."""
     start, width, bins = grid
     counts = scratch("histogram counts", bins, torch.float64)
-    assert _native is not None and flat.is_contiguous() and flat.dtype == torch.float32
-    lo, hi, on_grid = _native.scan_f32(flat.data_ptr(), flat.numel(), start, start + bins * width, counts.data_ptr(),
-                                       bins)
+    assert native.loops is not None and flat.is_contiguous() and flat.dtype == torch.float32
+    lo, hi, on_grid = native.loops.scan_f32(flat.data_ptr(), flat.numel(), start, start + bins * width,
+                                            counts.data_ptr(), bins)
     return lo, hi, counts if on_grid else None
 
 

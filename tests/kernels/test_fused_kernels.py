@@ -208,16 +208,24 @@ def test_max_pool_is_exact(name: str, dim: int, kwargs: dict[str, Any], layout: 
 
 
 @pytest.mark.parametrize("name", PLAIN)
+@pytest.mark.usefixtures("native_loops")
 @given(shape=st.lists(st.integers(0, 9), min_size=1, max_size=5), seed=st.integers(0, 2**16),
-       signed=st.booleans())
+       signed=st.booleans(), layout=st.sampled_from(["contiguous", "channels_last", "strided"]))
 @CONTRACT
-def test_quantize_equals_the_qparams_formula(name: str, shape: list[int], seed: int, signed: bool) -> None:
-    """The in-place, chunked quantize is ``qparams.quantize`` exactly; 4-d inputs come out channels-last on
-    backends that compute in that layout."""
+def test_quantize_equals_the_qparams_formula(name: str, shape: list[int], seed: int, signed: bool,
+                                             layout: str) -> None:
+    """Quantize (the C loop, or in torch without it) is ``qparams.quantize`` exactly, whatever the input's memory
+    layout, rounding ties included; 4-d inputs come out channels-last on backends that compute in that layout."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=gen) * 5
     qp = QParams(torch.tensor(0.01 + float(torch.rand((), generator=gen))),
                  torch.tensor(-3 if signed else 121), *((-128, 127) if signed else (0, 255)))
+    if x.numel() >= 6:  # exact ties (half-to-even decides) and values far outside the range
+        x.view(-1)[:6] = torch.tensor([0.5, 1.5, -2.5, 1e30, -1e30, 2.5]) * qp.scale
+    if layout == "channels_last" and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided" and x.dim() >= 2:
+        x = x.transpose(0, -1)
     backend = get_backend(name)
     got = backend.quantize(x, qp)
     assert torch.equal(got, quantize(x, qp))
@@ -256,6 +264,7 @@ def test_quantize_takes_an_input_that_requires_grad(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", PLAIN)
+@pytest.mark.usefixtures("native_loops")
 @pytest.mark.parametrize(("shape", "dtype"), [((3, 70_000), torch.float32), ((5, 3, 150, 150), torch.float32),
                                               ((4, 40_000), torch.float16), ((2, 33_000), torch.float64)])
 def test_chunked_quantize_equals_the_formula(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
@@ -267,4 +276,23 @@ def test_chunked_quantize_equals_the_formula(name: str, shape: tuple[int, ...], 
     got = backend.quantize(x, qp)
     assert torch.equal(got, quantize(x, qp))
     if len(shape) == 4 and getattr(backend, "channels_last", False):
+        assert got.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize(("shape", "channels_last", "dtype"), [((2, 3, 9, 7), True, torch.uint8),
+                                                               ((2, 3, 9, 7), False, torch.int8),
+                                                               ((5, 300), False, torch.uint8),
+                                                               ((1, 64, 1, 1), True, torch.uint8)])
+def test_the_c_quantize_takes_float32_inputs(shape: tuple[int, ...], channels_last: bool, dtype: torch.dtype) -> None:
+    """The C loop runs (it is not silently skipped) and equals the formula, NCHW -> NHWC included."""
+    from fxquant import native
+    from fxquant.kernels.plain_int8 import _native_quantize
+
+    assert native.loops is not None, "fxquant._native was not built: reinstall with a C compiler"
+    x = torch.randn(shape) * 3
+    qp = QParams(torch.tensor(0.02), torch.tensor(0 if dtype == torch.int8 else 100),
+                 *((-128, 127) if dtype == torch.int8 else (0, 255)))
+    got = _native_quantize(x, qp, channels_last)
+    assert got is not None and got.dtype == dtype and torch.equal(got, quantize(x, qp))
+    if channels_last:
         assert got.is_contiguous(memory_format=torch.channels_last)

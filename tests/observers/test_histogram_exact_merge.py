@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from fxquant.observers import HistogramObserver
 from fxquant.observers.hist_math import grid_for
 
-pytestmark = pytest.mark.usefixtures("counting_path")
+pytestmark = pytest.mark.usefixtures("native_loops")
 
 BINS = (16, 2048)
 

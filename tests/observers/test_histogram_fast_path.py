@@ -16,7 +16,7 @@ from fxquant.errors import CalibrationError
 from fxquant.observers import HistogramObserver, HistogramObserverBase, Observer, counting
 from fxquant.observers.hist_math import grid_for
 
-pytestmark = pytest.mark.usefixtures("counting_path")
+pytestmark = pytest.mark.usefixtures("native_loops")
 
 CHUNK = counting._COUNT_CHUNK
 

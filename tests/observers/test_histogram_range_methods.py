@@ -16,7 +16,7 @@ from fxquant.observers.entropy import SMOOTHING, best_threshold, kl_divergences
 from fxquant.observers.hist_math import Histogram, expected_sq_error, fold_abs, grid_for, quantile, rebin
 from fxquant.qparams import affine_qparams, fake_quantize
 
-pytestmark = pytest.mark.usefixtures("counting_path")
+pytestmark = pytest.mark.usefixtures("native_loops")
 
 PROPERTY = settings(max_examples=25, deadline=None)
 

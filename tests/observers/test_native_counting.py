@@ -11,24 +11,25 @@ import math
 import pytest
 import torch
 
+from fxquant import native
 from fxquant.observers import counting
 from fxquant.observers.hist_math import grid_for
 
 
 def test_the_c_loop_is_built() -> None:
-    assert counting._native is not None, (
+    assert native.loops is not None, (
         "fxquant._native was not built: reinstall with a C compiler (pip install -e .) for ~3x faster histograms")
 
 
 def both_paths(x: torch.Tensor, grid: counting.Grid, monkeypatch: pytest.MonkeyPatch
                ) -> tuple[tuple[float, float, torch.Tensor | None], tuple[float, float, torch.Tensor | None]]:
-    assert counting._native is not None and counting._use_native(x, grid[2])
-    native = counting.scan(x, grid)
-    native = (native[0], native[1], None if native[2] is None else native[2].clone())  # a scratch buffer
+    assert native.loops is not None and counting._use_native(x, grid[2])
+    lo, hi, counts = counting.scan(x, grid)
+    fast = (lo, hi, None if counts is None else counts.clone())  # the C loop's counts are a scratch buffer
     with monkeypatch.context() as patch:
-        patch.setattr(counting, "_native", None)
+        patch.setattr(native, "loops", None)
         reference = counting.scan(x, grid)
-    return native, reference
+    return fast, reference
 
 
 def assert_same(native: tuple[float, float, torch.Tensor | None], reference: tuple[float, float, torch.Tensor | None]
@@ -85,11 +86,11 @@ def test_off_grid_or_nonfinite_values_give_no_counts_and_the_whole_range(
 
 
 def test_grids_not_exact_in_float32_are_refused() -> None:
-    assert counting._native is not None
+    assert native.loops is not None
     out = torch.zeros(16, dtype=torch.float64)
     x = torch.rand(100)
     with pytest.raises(ValueError, match="exact in float32"):
-        counting._native.scan_f32(x.data_ptr(), x.numel(), 0.1, 1.7, out.data_ptr(), 16)
+        native.loops.scan_f32(x.data_ptr(), x.numel(), 0.1, 1.7, out.data_ptr(), 16)
 
 
 def test_count_into_adds_to_the_histogram_and_refuses_values_off_the_grid() -> None:

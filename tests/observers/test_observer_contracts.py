@@ -12,7 +12,7 @@ from fxquant.errors import CalibrationError, ConfigError
 from fxquant.observers import HistogramObserverBase, Observer, activation_observer_names, get_activation_observer
 from fxquant.qparams import fake_quantize
 
-pytestmark = pytest.mark.usefixtures("counting_path")
+pytestmark = pytest.mark.usefixtures("native_loops")
 
 ALL = activation_observer_names()
 ORDER_FREE = ("minmax", "histogram", "percentile", "entropy", "mse")  # moving_average depends on order by design
