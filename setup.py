@@ -1,10 +1,11 @@
-"""Build configuration beyond pyproject.toml: the optional C loop of the histogram observers.
+"""Build configuration beyond pyproject.toml: the optional C loops (histogram counting, quantize).
 
-``optional=True``: where no C compiler is available the install still succeeds and
-:mod:`fxquant.observers.counting` uses its pure-torch path (same counts, about 3x slower).
+``optional=True``: where no C compiler is available the install still succeeds and fxquant uses its torch paths
+(same results, slower; :mod:`fxquant.native`). ``-ffp-contract=off``: no fused multiply-adds, so every float
+operation rounds where the torch path rounds.
 """
 
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("fxquant._native", ["fxquant/_native.c"], optional=True,
-                             extra_compile_args=["-O3", "-std=c99"])])
+                             extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off"])])
