@@ -9,9 +9,9 @@
  * sub-histograms: after a ReLU half the values fall in one bin, and incrementing one counter in a row waits on the
  * previous store each time (measured: 0.60 vs 0.84 ns per value with four on constant data, in cache).
  *
- * The bin of x is trunc(x * scale + offset) in float32, as the torch path computes it: scale is a power of two, so
- * the product is exact and the one rounding is the addition's. setup.py builds with -ffp-contract=off: no fused
- * multiply-adds, so each operation rounds where torch's does. The GIL is released in both loops.
+ * The bin of x is floor(x * scale) - start / width, as the torch path computes it, exactly (see block_count).
+ * setup.py builds with -ffp-contract=off: no fused multiply-adds, so each operation rounds where torch's does. The
+ * GIL is released in both loops.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -66,9 +66,15 @@ static void block_range(const float *x, int64_t n, float *lo, float *hi, int *na
     *nan |= bad;
 }
 
-static void block_count(const float *x, int64_t n, float scale, float offset, int32_t *index, uint32_t *sub,
+/* The bin of x is floor(x * scale) - first: the product is exact (scale is a power of two) and so is the
+ * integer subtraction, so a value's bin never depends on where the grid starts (merged counts stay exact). */
+static void block_count(const float *x, int64_t n, float scale, int32_t first, int32_t *index, uint32_t *sub,
                         int64_t stride) {
-    for (int64_t i = 0; i < n; i++) index[i] = (int32_t)(x[i] * scale + offset);
+    for (int64_t i = 0; i < n; i++) {
+        const float y = x[i] * scale;
+        const int32_t t = (int32_t)y;            /* toward zero ... */
+        index[i] = t - (y < (float)t) - first;  /* ... then down: floor */
+    }
     int64_t i = 0;
     for (; i + WAYS <= n; i += WAYS)
         for (int w = 0; w < WAYS; w++) sub[w * stride + index[i + w]]++;
@@ -111,8 +117,9 @@ static PyObject *scan_f32(PyObject *self, PyObject *args) {
         free(totals);
         return PyErr_NoMemory();
     }
-    const double width = (top - start) / (double)bins; /* a power of two: scale and offset are exact */
-    const float scale = (float)(1.0 / width), offset = (float)(-start / width);
+    const double width = (top - start) / (double)bins; /* a power of two: its inverse is exact */
+    const float scale = (float)(1.0 / width);
+    const int32_t first = (int32_t)(start / width); /* an integer below 2**22 in magnitude (grid_for) */
     float lo = INFINITY, hi = -INFINITY;
     int nan = 0, on_grid = 1;
     int32_t index[BLOCK];
@@ -133,7 +140,7 @@ static PyObject *scan_f32(PyObject *self, PyObject *args) {
         /* the next block is read from memory while this one is counted from L1: ~15% faster on cold activations */
         for (int64_t k = begin + BLOCK; k < begin + 2 * BLOCK && k < n; k += 16) __builtin_prefetch(x + k);
 #endif
-        block_count(x + begin, len, scale, offset, index, sub, slots);
+        block_count(x + begin, len, scale, first, index, sub, slots);
         since_flush += len;
         if (since_flush >= FLUSH_EVERY) {
             flush(sub, slots, totals);

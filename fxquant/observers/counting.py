@@ -2,30 +2,28 @@
 
 This runs once per observer per calibration batch over every activation value, so it is written for speed on the
 CPU threads calibration usually gets (one to four). The fast path is a C loop (``fxquant/_native.c``, built at install
-time when a C compiler is there): range and counts in one read of the batch, ~0.8 ns per value on one thread against
-~2.2 ns for the torch path below (1M-value Linear and GELU outputs just out of a GEMM, 2-vCPU Sapphire Rapids).
+time when a C compiler is there): range and counts in one read of the batch, ~0.9 ns per value on one thread against
+~2.7 ns for the torch path below (1M-value Linear and GELU outputs just out of a GEMM, 2-vCPU Sapphire Rapids).
 
-The torch path (no compiler, float64 data): per value, one fused scale-and-shift into a float scratch buffer, one
-conversion to int16 bin indices and one ``torch.bincount``. The buffers are reused across calls (one set per
-thread): fresh batch-sized temporaries cost more in page faults than the arithmetic, and allocating them per chunk
-costs a dispatch each. Chunks of ``_COUNT_CHUNK`` values keep the scratch in L2 and bound it to ~384 KiB.
+The torch path (no compiler, float64 data): per value, one fused scale-and-shift into a float scratch buffer (three
+ops on a grid that starts below zero, see below), one conversion to int16 bin indices and one ``torch.bincount``.
+The buffers are reused across calls (one set per thread): fresh batch-sized temporaries cost more in page faults
+than the arithmetic, and allocating them per chunk costs a dispatch each. Chunks of ``_COUNT_CHUNK`` values keep the
+scratch in L2 and bound it to ~384 KiB.
 
-Both paths compute the bin of ``x`` as ``trunc(x / width - start / width)`` in ``x``'s float type, in one
-fused op: ``width`` is a power of two, so the scaling is exact and the one rounding is the subtraction's. On one
-grid the result does not depend on the chunking (and agrees with ``torch.histc`` in the tests).
+Both paths give a value the bin ``floor(x / width) - start / width``, exactly: ``width`` is a power of two, so the
+scaling is exact, and ``start / width`` is an integer ``k``. So a value's bin never depends on where the grid
+starts, and sharded, batched, resumed and merged counts (:func:`~fxquant.observers.hist_math.rebin` merges whole
+bins) equal counting all the data at once on the final grid, bit for bit
+(``tests/observers/test_histogram_exact_merge.py``, with ``torch.equal``). The C loop floors, then subtracts ``k``
+as integers. The torch path does the same where the grid starts below zero; from a start at or above zero, one
+fused ``x / width - k`` is already exact (``y = x / width >= k``, so ``y - k`` is a multiple of ``y``'s ulp no
+larger than ``y``: representable) and saves two passes. Before the C loop, the torch path ran the fused op on
+every grid and let a value within ``bins * 2**-24`` bins of an edge move one bin on grids with a negative start (2
+of ~3,000 values in 3% of random sharded runs), because flooring first cost +20-25% there; now it is the fallback.
 
-Across grids — a batch counted on an earlier, finer grid and merged by :func:`~fxquant.observers.hist_math.rebin`,
-versus all data counted at once on the final grid — what holds is:
-
-* grid start >= 0 (non-negative data): exact. With ``k = start / width`` an integer and ``y = x / width >= k``,
-  ``y - k`` is a multiple of ``y``'s ulp no larger than ``y``, so it is representable: the bin is ``floor(x /
-  width) - k`` exactly on every grid, and sharded, batched, merged counts equal counting everything at once
-  (``tests/observers/test_histogram_exact_merge.py``, with ``torch.equal``);
-* grid start < 0: ``y - k`` can round up onto an integer, so a value within ``bins * 2**-24`` bins of an edge may
-  be counted in the next bin up, differently on grids with different starts (seen: 2 of ~3,000 values in 3% of
-  random sharded runs). The exact alternative, ``floor`` before the shift, is two more passes per chunk: measured
-  +20-25% on this kernel (1M float32 values, one thread, interleaved medians 1.85 vs 1.46 ms), so it is not done;
-* the ``torch.histc`` path (more than two threads, more than 32,767 bins, or not on the CPU) has its own rounding.
+The ``torch.histc`` path (more than four threads; without the C loop more than two, or more than 32,767 bins; or not
+on the CPU) has its own rounding.
 """
 
 from __future__ import annotations
@@ -99,7 +97,10 @@ class _Binner:
         values, index = self.values, self.index
         if part.numel() != values.numel():
             values, index = values[:part.numel()], index[:part.numel()]
-        index.copy_(torch.add(self.offset, part, alpha=self.scale, out=values))  # truncation == floor: index >= 0
+        if self.offset <= 0:  # grid start >= 0: the one fused op is exact (see the module docstring)
+            index.copy_(torch.add(self.offset, part, alpha=self.scale, out=values))  # truncation == floor: >= 0
+        else:  # floor before the shift, or a value within rounding of an edge could move bins between grids
+            index.copy_(torch.mul(part, self.scale, out=values).floor_().add_(self.offset))
         self.counts += torch.bincount(index, minlength=self.bins + 1)
 
     def folded(self) -> torch.Tensor:

@@ -87,10 +87,15 @@ def test_half_precision_inputs_match_the_general_path(dtype: torch.dtype) -> Non
 
 
 def test_many_threads_take_histc_and_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.histc`` beyond four threads: the same grid and range, counts within float32 edge rounding."""
     batches = growing_batches(4)
     single = run(HistogramObserver, batches)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 8)
-    assert_same_state(run(HistogramObserver, batches), single)
+    many = run(HistogramObserver, batches)
+    for key in ("hist_start", "hist_width", "min_val", "max_val", "num_elements"):
+        assert torch.equal(getattr(many, key), getattr(single, key)), key
+    moved = float((many.histogram - single.histogram).abs().sum()) / 2
+    assert moved <= 1e-4 * float(single.num_elements), f"{moved} values in another bin"
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

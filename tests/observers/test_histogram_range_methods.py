@@ -212,14 +212,24 @@ def test_grid_covers_the_range_and_only_coarsens_as_it_grows(lo: float, span: fl
 
 @pytest.mark.parametrize("kind", ["normal", "relu", "laplace", "uniform", "skewed"])
 @pytest.mark.parametrize("bins", [16, 2048])
-def test_both_counting_paths_agree_with_histc(kind: str, bins: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_counting_bins_exactly_and_histc_within_edge_rounding(kind: str, bins: int,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """One or two threads (the C loop, or bincount without it): the exact bins ``floor((x - start) / width)``.
+    More threads count with ``torch.histc``, whose float32 arithmetic can put a value within rounding of an edge
+    in the neighbouring bin: few values, one bin each."""
     data = with_outliers(sample(kind), count=3) * 0.37
     start, width = grid_for(float(data.min()), float(data.max()), bins)
-    expected = torch.histc(data, bins, start, start + bins * width).double()
-    for threads in (1, 8):  # bincount path on one or two threads, histc beyond
+    index = (torch.floor(data.double() / width) - round(start / width)).long().clamp(max=bins - 1)
+    expected = torch.bincount(index, minlength=bins).double()
+    for threads in (1, 8):
         monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
         got = count(data, start, width, bins)
-        assert torch.equal(got, expected), f"{threads} threads: {float((got - expected).abs().sum())} counts differ"
+        if threads == 1:
+            assert torch.equal(got, expected), f"{float((got - expected).abs().sum())} counts differ"
+        else:
+            assert float(got.sum()) == data.numel()
+            crossed = (got - expected).cumsum(0).abs()  # net values moved across each edge
+            assert float(crossed.max()) <= 3 and float((got - expected).abs().sum()) <= 1e-3 * data.numel()
 
 
 def test_rebin_merges_whole_bins_exactly() -> None:
