@@ -212,7 +212,7 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
     statistics = {f"{name}.{key}": value.detach().clone()  # nested island observers too (fxquant.save needs all)
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics,
-                                 layer_backends=choices)
+                                 layer_backends=choices, keep_float=tuple(keep_float))
     return gm
 
 

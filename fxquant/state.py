@@ -45,6 +45,7 @@ class QuantState:
     wrapped: bool = False  # the root forward could not be traced: the model runs as one leaf named "model"
     prefix: str = ""  # for an island graph inside an untraceable block: its path in the user's model, plus "."
     layer_backends: dict[str, str] = field(default_factory=dict)  # backend="auto": the backend each layer got
+    keep_float: tuple[str, ...] = ()  # converted: convert(keep_float=...) patterns, replayed by fxquant.load
     channels_last: bool = False  # calibrate with channels-last Conv2d weights (calibration.memory_format)
 
 

@@ -49,6 +49,7 @@ class Manifest:
     fingerprints: dict[str, str] = field(default_factory=dict)  # same keys -> SHA-256 of those lines
     backend: str | None = None
     layer_backends: dict[str, str] = field(default_factory=dict)  # backend "auto": each layer's, replayed on load
+    keep_float: list[str] = field(default_factory=list)  # convert(keep_float=...) patterns, replayed on load
     calibration_samples: int = 0
     files: dict[str, dict[str, str]] = field(default_factory=dict)  # role -> {"name": file, "sha256": digest}
     source: dict[str, Any] | None = None  # CLI run dirs: model spec, weights file and hash, example-input spec

@@ -33,9 +33,11 @@ def set_graph(manifest: Manifest, kind: str, gm: fx.GraphModule) -> None:
 
 def set_converted(manifest: Manifest, quantized: fx.GraphModule) -> None:
     """Record what rebuilding ``quantized`` takes besides statistics: its backend, auto's per-layer choices (replayed
-    on load, not measured again) and its graph."""
+    on load, not measured again), the layers convert() kept float (an accuracy-budget search's result) and its
+    graph."""
     state = quant_state(quantized)
     manifest.backend, manifest.layer_backends = state.backend, dict(state.layer_backends)
+    manifest.keep_float = list(state.keep_float)
     set_graph(manifest, "converted", quantized)
 
 
@@ -122,7 +124,8 @@ def rebuild(directory: Path, manifest: Manifest, model: nn.Module,
     update_state(prepared, calibration_samples=manifest.calibration_samples)
     if manifest.stage == "calibrated":
         return prepared
-    quantized = convert(prepared, backend=manifest.backend, layer_backends=manifest.layer_backends or None)
+    quantized = convert(prepared, backend=manifest.backend, keep_float=manifest.keep_float,
+                        layer_backends=manifest.layer_backends or None)
     if "converted" in manifest.graphs:
         check_graph(quantized, manifest.graphs["converted"], "converted")
     check_weights(quantized, load_role(directory, manifest, "quantized"))

@@ -56,6 +56,22 @@ def test_round_trip_gives_identical_outputs(tmp_path: Path, backend: str) -> Non
     assert torch.equal(loaded(x), qmodel(x))
 
 
+def test_layers_kept_float_at_convert_round_trip(tmp_path: Path) -> None:
+    """Regression: ``convert(keep_float=...)`` (what an accuracy-budget search returns) was saved without its float
+    layers, so loading rebuilt an all-INT8 graph and refused it as a changed model."""
+    prepared = fxquant.prepare(_model(), (DATA[0][:1],), fxquant.QuantConfig(backend="reference"))
+    fxquant.calibrate(prepared, DATA, progress=False)
+    layers = [layer.path for layer in fxquant.coverage(prepared).layers if layer.path.startswith("fc")][:1]
+    assert layers == ["fc1"], layers
+    qmodel = fxquant.convert(prepared, keep_float=layers)
+    fxquant.save(qmodel, tmp_path / "art")
+    assert json.loads((tmp_path / "art" / "manifest.json").read_text())["keep_float"] == layers
+    loaded = fxquant.load(tmp_path / "art", _model())
+    x = torch.rand(5, 1, 8, 8)
+    assert torch.equal(loaded(x), qmodel(x))
+    assert not torch.equal(fxquant.convert(prepared)(x), qmodel(x))  # the float layer changes the output
+
+
 def test_prepared_and_calibrated_models_round_trip(tmp_path: Path) -> None:
     prepared = fxquant.prepare(_model(), (DATA[0][:1],))
     fxquant.save(prepared, tmp_path / "p")
