@@ -6,7 +6,10 @@ observer and with torch.ao's MinMaxObserver and HistogramObserver (``prepare_fx`
 and per-channel weight observers), all timed interleaved on the same cycling batches
 (:func:`fxquant.report.latency.measure_latency`), as ratios over the float forward. ``fxquant[off]`` is the prepared
 graph with its observers disabled, ``torch.ao[off]`` torch.ao's with its observers replaced by identities: the
-difference to them is what the observers themselves cost.
+difference to them is what the observers themselves cost. fxquant's configurations run inside ``fxquant.observing``,
+as ``fxquant.calibrate`` runs them (Conv2d weights channels-last where prepare() found the model runs so);
+``float[channels_last]`` (conv models only) is the user's float model with channels-last weights, printed so the
+reader sees what the memory layout alone is worth. ``--models`` and ``--skip-accuracy`` shorten a run.
 
 Memory: each configuration runs in its own subprocess, which reports its peak RSS, and the peak RSS of the
 calibration forwards alone above the RSS before them (``VmHWM`` reset through ``/proc/self/clear_refs`` after a warm-up
