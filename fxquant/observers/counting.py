@@ -2,8 +2,8 @@
 
 This runs once per observer per calibration batch over every activation value, so it is written for speed on the
 CPU threads calibration usually gets (one to four). The fast path is a C loop (``fxquant/_native.c``, built at install
-time when a C compiler is there): range and counts in one read of the batch, ~0.9 ns per value on one thread against
-~2.7 ns for the torch path below (1M-value Linear and GELU outputs just out of a GEMM, 2-vCPU Sapphire Rapids).
+time when a C compiler is there): range and counts in one read of the batch, ~0.8 ns per value on one thread against
+~2.4 ns for the torch path below (1M-value Linear and GELU outputs just out of a GEMM, 2-vCPU Sapphire Rapids).
 
 The torch path (no compiler, float64 data): per value, one fused scale-and-shift into a float scratch buffer (three
 ops on a grid that starts below zero, see below), one conversion to int16 bin indices and one ``torch.bincount``.
