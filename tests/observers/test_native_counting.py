@@ -1,7 +1,7 @@
-"""The C counting loop (``fxquant/_native.c``) against the pure-torch path and ``torch.histc``, edge cases included.
+"""The C counting loop (``fxquant/_native.c``) against exact float64 bins and the pure-torch path, edge cases included.
 
-The torch path is the reference here: it is the one a machine without a C compiler runs, and the histogram observers'
-results must not depend on which one counted.
+The torch path is the one a machine without a C compiler runs: the histogram observers' results must not depend on
+which one counted.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ def both_paths(x: torch.Tensor, grid: counting.Grid, monkeypatch: pytest.MonkeyP
     return fast, reference
 
 
-def assert_same(native: tuple[float, float, torch.Tensor | None], reference: tuple[float, float, torch.Tensor | None]
+def assert_same(fast: tuple[float, float, torch.Tensor | None], reference: tuple[float, float, torch.Tensor | None]
                 ) -> None:
-    (lo, hi, counts), (ref_lo, ref_hi, ref_counts) = native, reference
+    (lo, hi, counts), (ref_lo, ref_hi, ref_counts) = fast, reference
     if ref_counts is None:  # off the grid or not finite: the torch path may stop early, the C loop reads everything
         assert counts is None
         assert math.isnan(lo) or lo <= ref_lo
@@ -67,9 +67,9 @@ def test_values_on_both_edges_fall_in_the_first_and_last_bin(monkeypatch: pytest
     start, width, bins = -4.0, 2.0**-6, 512
     top = start + bins * width
     x = torch.tensor([start, top, top, start + width, top - width / 2, 0.0] * 5)
-    native, reference = both_paths(x, (start, width, bins), monkeypatch)
-    assert_same(native, reference)
-    counts = native[2]
+    fast, reference = both_paths(x, (start, width, bins), monkeypatch)
+    assert_same(fast, reference)
+    counts = fast[2]
     assert counts is not None and int(counts[0]) == 5 and int(counts[-1]) == 15 and int(counts[1]) == 5
 
 
@@ -81,9 +81,9 @@ def test_off_grid_or_nonfinite_values_give_no_counts_and_the_whole_range(
     x[position] = bad
     x[-2] = 5.5  # after the bad value: the range must still cover it
     grid = (0.0, 2.0**-8, 2048)
-    native, reference = both_paths(x, grid, monkeypatch)
-    assert_same(native, reference)
-    lo, hi, counts = native
+    fast, reference = both_paths(x, grid, monkeypatch)
+    assert_same(fast, reference)
+    lo, hi, counts = fast
     assert counts is None
     if math.isnan(bad):
         assert math.isnan(lo) and math.isnan(hi)
