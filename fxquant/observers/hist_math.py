@@ -59,6 +59,8 @@ def grid_for(lo: float, hi: float, bins: int, min_width: float = 0.0) -> tuple[f
     while True:  # at most a step or two: alignment can push the top edge just below hi
         width = math.ldexp(1.0, exponent)
         start = math.floor(lo / width) * width
+        if start > lo:  # a tiny negative lo (a denormal) divided to -0.0: its bin is the one below zero
+            start -= width
         if start + bins * width >= hi:
             return start, width
         exponent += 1

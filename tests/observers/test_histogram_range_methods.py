@@ -10,7 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxquant.observers import EntropyObserver, HistogramObserverBase, Observer, get_activation_observer
+from fxquant.observers import (
+    EntropyObserver,
+    HistogramObserver,
+    HistogramObserverBase,
+    Observer,
+    get_activation_observer,
+)
 from fxquant.observers.counting import count
 from fxquant.observers.entropy import SMOOTHING, best_threshold, kl_divergences
 from fxquant.observers.hist_math import Histogram, expected_sq_error, fold_abs, grid_for, quantile, rebin
@@ -273,3 +279,13 @@ def test_grid_for_a_denormal_span_regression() -> None:
     """Shrunk by hypothesis: a span of one denormal underflowed to a zero step and log2(0) raised."""
     start, width = grid_for(-5e-324, 0.0, 16)
     assert start <= -5e-324 and start + 16 * width >= 0.0
+
+
+def test_a_denormal_negative_value_stays_on_the_grid() -> None:
+    """Regression (found by hypothesis): ``-5e-324 / width`` underflows to -0.0 for bins wider than 1, so the grid
+    started at 0, above the value (the observer then counted it in bin 0 of a grid that did not cover it)."""
+    start, width = grid_for(-5e-324, 16.0, 16)
+    assert start <= -5e-324 and start + 16 * width >= 16.0
+    obs = HistogramObserver(bins=16)
+    obs(torch.tensor([-5e-324, 16.0], dtype=torch.float64))  # the smallest float64 denormal
+    assert float(obs.hist_start) <= -5e-324 and float(obs.histogram.sum()) == 2
