@@ -27,9 +27,8 @@ from fxquant.observers import Observer
 log = logging.getLogger("fxquant")
 
 
-def _conv2d_weights(model: nn.Module) -> list[nn.Parameter]:
-    return [m.weight for m in model.modules()
-            if isinstance(m, nn.Conv2d) and isinstance(m.weight, nn.Parameter) and m.weight.dim() == 4]
+def _conv2d_weights(model: nn.Module) -> list[torch.Tensor]:
+    return [m.weight for m in model.modules() if isinstance(m, nn.Conv2d)]
 
 
 @contextlib.contextmanager

@@ -101,8 +101,8 @@ def window_max(a: torch.Tensor, dim: int, kwargs: dict[str, Any]) -> torch.Tenso
 def _native_quantize(x: torch.Tensor, qp: QParams, channels_last: bool) -> torch.Tensor | None:
     """``qparams.quantize`` by the C loop (one read, one write per value; ``fxquant/_native.c``), or None where it
     does not apply: no C loop, not float32 on the CPU, per-channel, or memory that is neither contiguous nor (4-d)
-    channels-last. A contiguous NCHW input becomes channels-last in the same pass: torch's own NCHW -> NHWC copy of
-    a 3-channel uint8 image costs more than the whole quantize (80 vs 60 us at 1x3x224x224, one thread)."""
+    channels-last. A contiguous NCHW input becomes channels-last in the same pass (1x3x224x224, one thread: 103 us,
+    against 335 us for the torch path, of which torch's NCHW -> NHWC copy of the 3-channel result alone is 80 us)."""
     if (native.loops is None or x.dtype != torch.float32 or x.device.type != "cpu" or qp.per_channel
             or qp.dtype not in (torch.uint8, torch.int8) or x.numel() == 0):
         return None

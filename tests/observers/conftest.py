@@ -13,4 +13,3 @@ def one_thread() -> object:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
