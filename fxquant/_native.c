@@ -1,7 +1,8 @@
-/* fxquant._native: two hot loops in C, each with a torch fallback that gives the same results.
+/* fxquant._native: three hot loops in C, each with a torch fallback that gives the same results.
  *
  * scan_f32: the histogram observers' counting (see fxquant/observers/counting.py for the contract).
  * quantize_f32: float32 -> uint8/int8 activations (fxquant/kernels/plain_int8.py), optionally NCHW -> NHWC.
+ * mean_u8: the global average pool of uint8 activations (fxquant/kernels/plain_int8.py), in integers.
  *
  * scan_f32 reads a batch of float32 values once: per block of values that fits in L1, a min/max/NaN pass, then
  * (while every value seen lies on the grid) the bin indices and their counts. torch has no fused op for this; its
@@ -248,9 +249,78 @@ static PyObject *quantize_f32(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* round_half_even(total / count) for count > 0, in integers (floor division, then the remainder decides). */
+static inline int64_t divide_half_even(int64_t total, int64_t count) {
+    int64_t q = total / count, r = total % count;
+    if (r < 0) {
+        q -= 1;
+        r += count;
+    }
+    if (2 * r > count || (2 * r == count && (q & 1))) q += 1;
+    return q;
+}
+
+/* The loops of mean_u8 (below), outside the GIL. sums: channels counters. */
+VECTOR_CLONES static void mean_loop(const uint8_t *x, uint8_t *out, uint32_t *sums, int64_t outer, int64_t channels,
+                                    int64_t inner, int64_t s_outer, int64_t s_channel, int64_t s_inner, int zp,
+                                    int qmin, int qmax) {
+    for (int64_t n = 0; n < outer; n++) {
+        const uint8_t *base = x + n * s_outer;
+        memset(sums, 0, (size_t)channels * sizeof(uint32_t));
+        if (s_channel == 1) /* channels-last: each position's channels are adjacent */
+            for (int64_t i = 0; i < inner; i++) {
+                const uint8_t *row = base + i * s_inner;
+                for (int64_t c = 0; c < channels; c++) sums[c] += row[c];
+            }
+        else
+            for (int64_t c = 0; c < channels; c++) {
+                const uint8_t *plane = base + c * s_channel;
+                uint32_t total = 0;
+                for (int64_t i = 0; i < inner; i++) total += plane[i * s_inner];
+                sums[c] = total;
+            }
+        for (int64_t c = 0; c < channels; c++) {
+            int64_t v = divide_half_even((int64_t)sums[c] - inner * zp, inner) + zp;
+            out[n * channels + c] = (uint8_t)(v < qmin ? qmin : v > qmax ? qmax : v);
+        }
+    }
+}
+
+/* mean_u8(x_ptr, out_ptr, outer, channels, inner, s_outer, s_channel, s_inner, zero_point, qmin, qmax)
+ *
+ * x: uint8 values at x[n * s_outer + c * s_channel + i * s_inner] (strides in elements); out: outer * channels
+ * dense uint8, out[n, c] = clamp(round_half_even(mean_i(x[n, c, i]) - zero_point) + zero_point, qmin, qmax): the
+ * rounded mean of the centered integers, as fxquant's adaptive average pool defines it, computed exactly (a 32-bit
+ * sum per channel, one division). torch needs a float copy, the pool and four passes of requantization.
+ */
+static PyObject *mean_u8(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, out_addr;
+    long long outer, channels, inner, s_outer, s_channel, s_inner, zero_point, qmin, qmax;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKLLLLLLLLL", &x_addr, &out_addr, &outer, &channels, &inner, &s_outer, &s_channel,
+                          &s_inner, &zero_point, &qmin, &qmax))
+        return NULL;
+    if (outer < 0 || channels < 1 || inner < 1 || inner > (long long)(UINT32_MAX / 255) || qmin < 0 || qmax > 255 ||
+        qmin > qmax || zero_point < qmin || zero_point > qmax) {
+        PyErr_SetString(PyExc_ValueError, "mean_u8: bad shape or range");
+        return NULL;
+    }
+    uint32_t *sums = (uint32_t *)malloc((size_t)channels * sizeof(uint32_t));
+    if (sums == NULL) return PyErr_NoMemory();
+    const uint8_t *x = (const uint8_t *)(uintptr_t)x_addr;
+    uint8_t *out = (uint8_t *)(uintptr_t)out_addr;
+    Py_BEGIN_ALLOW_THREADS
+    mean_loop(x, out, sums, outer, channels, inner, s_outer, s_channel, s_inner, (int)zero_point, (int)qmin,
+              (int)qmax);
+    Py_END_ALLOW_THREADS
+    free(sums);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scan_f32", scan_f32, METH_VARARGS, "Min, max and grid counts of dense float32 values in one read."},
     {"quantize_f32", quantize_f32, METH_VARARGS, "float32 -> uint8/int8 with one scale and zero point (NCHW->NHWC)."},
+    {"mean_u8", mean_u8, METH_VARARGS, "Rounded per-channel means of uint8 activations (global average pool)."},
     {NULL, NULL, 0, NULL},
 };
 

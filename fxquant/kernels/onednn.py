@@ -57,6 +57,8 @@ _POST_OPS = {"silu": ("swish", ""), "hardswish": ("hardswish", ""), "gelu": ("ge
 
 
 _SHAPES_PER_WEIGHT = 3  # input shapes a conv weight is repacked for (e.g. batch 1 and a serving batch)
+_CALLS_PER_WEIGHT = 16  # bound calls kept per weight (input shape x output kind); further ones are built per call
+_Call = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class OnednnWeight:
     repack: Callable[[list[int]], torch.Tensor] | None = None
     by_shape: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, compare=False)
     height_one: bool = False  # a conv1d packed as a conv2d over a height of one (see ``prepack_conv``)
+    calls: dict[tuple[Any, ...], _Call] = field(default_factory=dict, compare=False)  # see ``_bound``
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
         # The packed tensor is opaque (no storage to copy) and never modified after packing, so copies share it.
@@ -118,29 +121,59 @@ def _sees_only_padding(size: int, kernel: int, stride: int, padding: int, dilati
     )
 
 
+def _pads_explicitly(shape: tuple[int, ...], w: OnednnWeight) -> bool:
+    """Whether an input of ``shape`` must be padded by hand (depth one padded in depth, or outputs that read padding
+    only: the first two bugs in the module doc)."""
+    assert w.spec is not None, "conv() got weights packed by prepack_linear()"
+    spec = w.spec
+    if spec.dim == 3 and shape[2] == 1 and spec.padding[0] > 0:
+        return True
+    geometry = zip(shape[2:], w.kernel, spec.stride, spec.padding, spec.dilation, strict=True)
+    return any(_sees_only_padding(*dims) for dims in geometry)
+
+
+def _one_column(width: int, padding: int, w: OnednnWeight) -> bool:
+    """Whether a conv strided along the width outputs one column (the third bug in the module doc)."""
+    assert w.spec is not None
+    stride, extent = w.spec.stride[-1], w.spec.dilation[-1] * (w.kernel[-1] - 1) + 1
+    return stride > 1 and (width + 2 * padding - extent) // stride == 0
+
+
 def _safe_input(a: torch.Tensor, w: OnednnWeight, zero_point: int) -> tuple[torch.Tensor, list[int], bool]:
     """The input, padding and "drop the extra column" flag that steer clear of the bugs in the module doc."""
     assert w.spec is not None, "conv() got weights packed by prepack_linear()"
-    spec = w.spec
-    padding = list(spec.padding)
-    geometry = zip(a.shape[2:], w.kernel, spec.stride, spec.padding, spec.dilation, strict=True)
-    depth_one = spec.dim == 3 and a.shape[2] == 1 and padding[0] > 0
-    if depth_one or any(_sees_only_padding(*dims) for dims in geometry):
+    padding = list(w.spec.padding)
+    if _pads_explicitly(tuple(a.shape), w):
         a = F.pad(a, [p for pad in reversed(padding) for p in (pad, pad)], value=zero_point)
-        padding = [0] * spec.dim
-    stride, extent = spec.stride[-1], spec.dilation[-1] * (w.kernel[-1] - 1) + 1
-    one_column = stride > 1 and (a.shape[-1] + 2 * padding[-1] - extent) // stride == 0
+        padding = [0] * w.spec.dim
+    one_column = _one_column(a.shape[-1], padding[-1], w)
     if one_column:
-        a = F.pad(a, (0, stride), value=zero_point)
+        a = F.pad(a, (0, w.spec.stride[-1]), value=zero_point)
     return a, padding, one_column
 
 
-def _out_shape(a: torch.Tensor, w: OnednnWeight, padding: list[int]) -> tuple[int, ...]:
+def _out_shape(shape: tuple[int, ...], w: OnednnWeight, padding: list[int] | tuple[int, ...]) -> tuple[int, ...]:
     """The conv output's shape; ``accum`` must match it exactly (the sum post-op does not broadcast)."""
     assert w.spec is not None
     sizes = [(size + 2 * pad - dil * (k - 1) - 1) // stride + 1 for size, k, stride, pad, dil in
-             zip(a.shape[2:], w.kernel, w.spec.stride, padding, w.spec.dilation, strict=True)]
-    return (a.shape[0], w.out_channels, *sizes)
+             zip(shape[2:], w.kernel, w.spec.stride, padding, w.spec.dilation, strict=True)]
+    return (shape[0], w.out_channels, *sizes)
+
+
+def _bound(w: OnednnWeight, key: tuple[Any, ...], bind: Callable[[], _Call]) -> _Call:
+    """The call ``bind`` makes for ``key`` (input shape, qparams, output kind), made once per weight.
+
+    Everything about a call but its tensors depends only on the input's shape and the layer's qparams: which
+    workaround applies, the weight packed for that shape, the op's 16 other arguments, the clamp after it. Deciding
+    that on every call cost ~25 us of Python per layer (an audio1d conv at batch 1: 85 us a call against 59 us for the
+    bare op), more than the int8 kernel itself on small layers.
+    """
+    call = w.calls.get(key)
+    if call is None:
+        call = bind()
+        if len(w.calls) < _CALLS_PER_WEIGHT:
+            w.calls[key] = call
+    return call
 
 
 @functools.cache
@@ -174,27 +207,65 @@ def _within(out: torch.Tensor, qp: QParams) -> torch.Tensor:
     return out.clamp_(qp.qmin, qp.qmax)
 
 
-def _qconv(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[float, int, torch.dtype],
-           post_op: str) -> torch.Tensor:
-    """``onednn::qconv_pointwise`` on channels-last input; ``output``: (scale, zero point, dtype) of the result;
-    ``post_op``: a ``_POST_OPS`` name applied to the float result before that."""
+def _clamp(low: int | None, within: QParams | None) -> tuple[int | None, int | None] | None:
+    """The clamp after the op: at ``low`` (a ReLU the op could not fuse) and to ``within``'s range where that is
+    narrower than oneDNN's [0, 255]; None when there is nothing to clamp."""
+    narrow = within is not None and (within.qmin, within.qmax) != UINT8_RANGE
+    if within is not None and narrow:
+        return (within.qmin if low is None else max(low, within.qmin)), within.qmax
+    return None if low is None else (low, None)
+
+
+def _finish(op: Any, args: tuple[Any, ...], clamp: tuple[int | None, int | None] | None) -> _Call:
+    """``op(a, *args)``, clamped where ``clamp`` says so."""
+    if clamp is None:
+        return lambda a: op(a, *args)
+    return lambda a: op(a, *args).clamp_(*clamp)
+
+
+def _bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: tuple[float, int, torch.dtype],
+               post_op: str, within: QParams | None) -> _Call:
+    """One ``onednn::qconv_pointwise`` call for inputs of ``shape``; ``output``: (scale, zero point, dtype) of the
+    result; ``post_op``: a ``_POST_OPS`` name applied to the float result before that; ``within``: the qparams a
+    uint8 result must lie in."""
+    spec = w.spec
+    assert spec is not None, "conv() got weights packed by prepack_linear()"
+    x_scale, x_zp = in_qp.scalar()
+    if w.height_one:
+        shape = (shape[0], shape[1], 1, *shape[2:])
+    if _pads_explicitly(shape, w) or _one_column(shape[-1], spec.padding[-1], w):
+        return lambda a: _qconv_padded(a, w, in_qp, output, post_op, within)
+    clamp_after = post_op == "relu" and spec.dim == 3  # conv3d takes no post-op: its ReLU is a clamp after
+    attr, algorithm = _POST_OPS["none" if clamp_after else post_op]
+    # The op makes its input channels-last itself (a no-op between two convs).
+    args: tuple[Any, ...] = (x_scale, x_zp, w.for_input(shape), w.scale, w.zero_point, w.bias, list(spec.stride),
+                             list(spec.padding), list(spec.dilation), spec.groups, *output, attr, [], algorithm)
+    # real zero is the output zero point (0 for a float output)
+    call = _finish(torch.ops.onednn.qconv_pointwise, args, _clamp(output[1] if clamp_after else None, within))
+    if w.height_one:
+        return lambda a: call(a.unsqueeze(2)).squeeze(2)
+    return call
+
+
+def _qconv_padded(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[float, int, torch.dtype],
+                  post_op: str, within: QParams | None) -> torch.Tensor:
+    """``_bind_conv``'s call for the inputs that need a workaround: padded by hand with the zero point, or one
+    column wider with that column dropped after."""
+    spec = w.spec
+    assert spec is not None
     x_scale, x_zp = in_qp.scalar()
     if w.height_one:
         a = a.unsqueeze(2)
     a, padding, one_column = _safe_input(a, w, x_zp)
-    if a.dim() in _CHANNELS_LAST:
-        a = a.contiguous(memory_format=_CHANNELS_LAST[a.dim()])
-    spec = w.spec
-    assert spec is not None
-    packed = w.packed if one_column or padding != list(spec.padding) else w.for_input(tuple(a.shape))
-    clamp_after = post_op == "relu" and spec.dim == 3  # conv3d takes no post-op: its ReLU is a clamp after
+    clamp_after = post_op == "relu" and spec.dim == 3
     attr, algorithm = _POST_OPS["none" if clamp_after else post_op]
     out = torch.ops.onednn.qconv_pointwise(
-        a, x_scale, x_zp, packed, w.scale, w.zero_point, w.bias, list(spec.stride), padding,
+        a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, list(spec.stride), padding,
         list(spec.dilation), spec.groups, *output, attr, [], algorithm,
     )
-    if clamp_after:
-        out = out.clamp_(min=output[1])  # real zero is the output zero point (0 for a float output)
+    clamp = _clamp(output[1] if clamp_after else None, within)
+    if clamp is not None:
+        out = out.clamp_(*clamp)
     out = out[..., :1] if one_column else out
     return out.squeeze(2) if w.height_one else out
 
@@ -203,14 +274,21 @@ def _relu(relu: bool) -> str:
     return "relu" if relu else "none"
 
 
-def _qlinear(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: tuple[float, int, torch.dtype],
-             post_op: str) -> torch.Tensor:
-    """``onednn::qlinear_pointwise``; ``output`` and ``post_op`` as for ``_qconv``."""
+def _bind_linear(w: OnednnWeight, in_qp: QParams, output: tuple[float, int, torch.dtype], post_op: str,
+                 within: QParams | None) -> _Call:
+    """One ``onednn::qlinear_pointwise`` call; arguments as for ``_bind_conv``."""
     x_scale, x_zp = in_qp.scalar()
     attr, algorithm = _POST_OPS[post_op]
-    return torch.ops.onednn.qlinear_pointwise(
-        a, x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, *output, attr, [], algorithm,
-    )
+    args: tuple[Any, ...] = (x_scale, x_zp, w.packed, w.scale, w.zero_point, w.bias, *output, attr, [], algorithm)
+    return _finish(torch.ops.onednn.qlinear_pointwise, args, _clamp(None, within))
+
+
+def _uint8(qp: QParams) -> tuple[float, int, torch.dtype]:
+    scale, zero_point = qp.scalar()
+    return scale, zero_point, torch.uint8
+
+
+_FLOAT = (1.0, 0, torch.float32)  # output_dtype float32 with scale 1 / zero point 0: the unrounded float result
 
 
 @register_backend("onednn")
@@ -245,19 +323,21 @@ class OnednnBackend(PlainInt8Backend):
 
     def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                relu: bool) -> torch.Tensor:
-        out_scale, out_zp = out_qp.scalar()
-        return _within(_qlinear(a, packed.payload, in_qp, (out_scale, out_zp, torch.uint8), _relu(relu)), out_qp)
+        w: OnednnWeight = packed.payload
+        return _bound(w, (in_qp, out_qp, relu),
+                      lambda: _bind_linear(w, in_qp, _uint8(out_qp), _relu(relu), out_qp))(a)
 
     def linear_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                         relu: bool) -> torch.Tensor:
-        # output_dtype float32 with scale 1 / zero point 0: the float result, no uint8 write and dequantize
-        return _qlinear(a, packed.payload, in_qp, (1.0, 0, torch.float32), _relu(relu))
+        w: OnednnWeight = packed.payload
+        return _bound(w, (in_qp, _FLOAT, relu), lambda: _bind_linear(w, in_qp, _FLOAT, _relu(relu), None))(a)
 
     def linear_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
                      unary_qp: QParams) -> torch.Tensor:
         """The function as the op's post-op: one call, one rounding, no float tensor in between."""
-        scale, zero_point = unary_qp.scalar()
-        return _within(_qlinear(a, packed.payload, in_qp, (scale, zero_point, torch.uint8), unary), unary_qp)
+        w: OnednnWeight = packed.payload
+        return _bound(w, (in_qp, unary_qp, unary),
+                      lambda: _bind_linear(w, in_qp, _uint8(unary_qp), unary, unary_qp))(a)
 
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
@@ -276,13 +356,16 @@ class OnednnBackend(PlainInt8Backend):
 
     def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
              relu: bool) -> torch.Tensor:
-        out_scale, out_zp = out_qp.scalar()
-        return _within(_qconv(a, packed.payload, in_qp, (out_scale, out_zp, torch.uint8), _relu(relu)), out_qp)
+        w: OnednnWeight = packed.payload
+        return _bound(w, (a.shape, in_qp, out_qp, relu),
+                      lambda: _bind_conv(w, tuple(a.shape), in_qp, _uint8(out_qp), _relu(relu), out_qp))(a)
 
     def conv_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                       relu: bool) -> torch.Tensor:
         """``qconv_pointwise`` with ``output_dtype`` float32, scale 1, zero point 0: the unrounded float result."""
-        return _qconv(a, packed.payload, in_qp, (1.0, 0, torch.float32), _relu(relu))
+        w: OnednnWeight = packed.payload
+        return _bound(w, (a.shape, in_qp, _FLOAT, relu),
+                      lambda: _bind_conv(w, tuple(a.shape), in_qp, _FLOAT, _relu(relu), None))(a)
 
     def conv_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
                    unary_qp: QParams) -> torch.Tensor:
@@ -292,8 +375,8 @@ class OnednnBackend(PlainInt8Backend):
         assert w.spec is not None, "conv_unary() got weights packed by prepack_linear()"
         if w.spec.dim != 2:
             return super().conv_unary(a, packed, in_qp, out_qp, unary, unary_qp)
-        scale, zero_point = unary_qp.scalar()
-        return _within(_qconv(a, w, in_qp, (scale, zero_point, torch.uint8), unary), unary_qp)
+        return _bound(w, (a.shape, in_qp, unary_qp, unary),
+                      lambda: _bind_conv(w, tuple(a.shape), in_qp, _uint8(unary_qp), unary, unary_qp))(a)
 
     def conv_add(self, a: torch.Tensor, packed: PackedWeight, accum: torch.Tensor, qps: ConvAddQParams, *,
                  relu: bool) -> torch.Tensor:
@@ -301,24 +384,31 @@ class OnednnBackend(PlainInt8Backend):
         and rounds once, writing into ``accum`` (channels-last uint8 of the output's shape). Shapes the fused op
         does not take (conv1d, the one-column workaround) run as conv then add."""
         w: OnednnWeight = packed.payload
-        assert w.spec is not None, "conv_add() got weights packed by prepack_linear()"
-        if w.height_one:
-            return super().conv_add(a, packed, accum, qps, relu=relu)
-        (x_scale, x_zp), (out_scale, out_zp) = qps.input.scalar(), qps.out.scalar()
-        safe, padding, one_column = _safe_input(a, w, x_zp)
-        if safe.dim() != 4 or one_column or accum.dtype != torch.uint8 or accum.shape != _out_shape(safe, w, padding):
-            return super().conv_add(a, packed, accum, qps, relu=relu)
-        a = safe.contiguous(memory_format=torch.channels_last)
-        accum = accum.contiguous(memory_format=torch.channels_last)
-        acc_scale, acc_zp = qps.accum.scalar()
+        fused = _bound(w, (a.shape, accum.shape, accum.dtype, qps, relu),
+                       lambda: self._bind_conv_add(w, tuple(a.shape), accum, qps, relu))
+        return fused(a, accum)
+
+    def _bind_conv_add(self, w: OnednnWeight, shape: tuple[int, ...], accum: torch.Tensor, qps: ConvAddQParams,
+                       relu: bool) -> _Call:
         spec = w.spec
-        weight = w.for_input(tuple(a.shape)) if padding == list(spec.padding) else w.packed
-        out = torch.ops.onednn.qconv2d_pointwise.binary(
-            a, x_scale, x_zp, weight, w.scale, w.zero_point, accum, w.bias, list(spec.stride), padding,
-            list(spec.dilation), spec.groups, out_scale, out_zp, torch.uint8, acc_scale, acc_zp, "sum", 1.0,
-            "relu" if relu else "none", [], "",
-        )
-        return _within(out, qps.out)
+        assert spec is not None, "conv_add() got weights packed by prepack_linear()"
+        unfused = functools.partial(super().conv_add, packed=PackedWeight(self.name, w), qps=qps, relu=relu)
+        if (w.height_one or len(shape) != 4 or _pads_explicitly(shape, w) or _one_column(shape[-1], spec.padding[-1], w)
+                or accum.dtype != torch.uint8 or tuple(accum.shape) != _out_shape(shape, w, spec.padding)):
+            return lambda a, accum: unfused(a, accum=accum)
+        (x_scale, x_zp), (out_scale, out_zp), (acc_scale, acc_zp) = qps.input.scalar(), qps.out.scalar(), \
+            qps.accum.scalar()
+        head = (x_scale, x_zp, w.for_input(shape), w.scale, w.zero_point)
+        tail: tuple[Any, ...] = (w.bias, list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups,
+                                 out_scale, out_zp, torch.uint8, acc_scale, acc_zp, "sum", 1.0, _relu(relu), [], "")
+        op, clamp = torch.ops.onednn.qconv2d_pointwise.binary, _clamp(None, qps.out)
+
+        def call(a: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
+            # The op requires accum channels-last (a no-op for a conv's output) and makes ``a`` so itself.
+            out = op(a, *head, accum.contiguous(memory_format=torch.channels_last), *tail)
+            return out if clamp is None else out.clamp_(*clamp)
+
+        return call
 
     def max_pool(self, a: torch.Tensor, qp: QParams, dim: int, kwargs: dict[str, Any]) -> torch.Tensor:
         """``quantized::max_pool2d`` takes plain uint8 (no quantized dtype) and is ~100x faster on channels-last

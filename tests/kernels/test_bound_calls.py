@@ -1,0 +1,104 @@
+"""The oneDNN backend binds each layer's call once per input shape and qparams: a bound call must be the call it
+replaces, for every shape, qparams and output kind a weight meets, in any order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_contract_cases import ConvCase, conv_layer, float_conv, make_layer, output_qparams
+
+from fxquant.kernels.base import ConvAddQParams, ConvSpec, PackedWeight
+from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.qparams import QParams
+
+pytestmark = pytest.mark.skipif("onednn" not in available_backends(), reason="torch.ops.onednn int8 ops missing")
+
+# Strided along the width: an input three columns wide gives a one-column output, which raw oneDNN gets wrong
+# (test_onednn_backend.py), so that shape needs the workaround and the others must not get it.
+_SPEC = ConvSpec(2, (1, 2), (0, 0), (1, 1), 1)
+_SIZES = [(7, 9), (7, 3), (9, 6)]
+
+
+def _fresh(spec: ConvSpec, weights: tuple[torch.Tensor, QParams, torch.Tensor | None],
+           in_qp: QParams) -> PackedWeight:
+    return get_backend("onednn").prepack_conv(*weights, spec, in_qp=in_qp)
+
+
+def test_a_conv_weight_bound_for_many_shapes_gives_each_shape_its_own_result() -> None:
+    """One packed weight called with inputs of several shapes (twice each, interleaved, both output qparams) equals a
+    freshly packed weight called once per input: no call is reused for another shape or output."""
+    onednn = get_backend("onednn")
+    layer = conv_layer(ConvCase(_SPEC, 1, 5, 7, (2, 2), (7, 9), True, True, False), (0, 255), 0)
+    weights = (layer.q_w, layer.w_qp, layer.bias)
+    shared = _fresh(_SPEC, weights, layer.in_qp)
+    outputs = [output_qparams(float_conv(layer, _SPEC)), QParams(torch.tensor(0.5), torch.tensor(7), 0, 255)]
+    gen = torch.Generator().manual_seed(1)
+    inputs = [torch.randint(0, 256, (batch, 5, *size), generator=gen, dtype=torch.uint8)
+              for size in _SIZES for batch in (1, 3)]
+    for _ in range(2):
+        for a in inputs:
+            for out_qp in outputs:
+                for relu in (False, True):
+                    got = onednn.conv(a, shared, layer.in_qp, out_qp, relu=relu)
+                    want = onednn.conv(a, _fresh(_SPEC, weights, layer.in_qp), layer.in_qp, out_qp, relu=relu)
+                    assert torch.equal(got, want), (tuple(a.shape), out_qp.scalar(), relu)
+                float_out = onednn.conv_to_float(a, shared, layer.in_qp, outputs[0], relu=False)
+                assert float_out.dtype == torch.float32
+    assert len(shared.payload.calls) <= 16  # bounded: later shapes are built per call, not kept
+
+
+def test_bound_conv1d_and_narrow_range_match_the_reference() -> None:
+    """conv1d (run as a conv2d over a height of one) and a 7-bit output range (clamped after the op) through the
+    bound calls, against the reference backend's integer arithmetic."""
+    onednn, ref = get_backend("onednn"), get_backend("reference")
+    spec = ConvSpec(1, (2,), (1,), (1,), 1)
+    layer = conv_layer(ConvCase(spec, 2, 4, 6, (3,), (17,), False, True, True), (0, 255), 3)
+    out_qp = output_qparams(float_conv(layer, spec))
+    narrow = QParams(out_qp.scale * 2, torch.tensor(60), 0, 127)
+    for qp in (out_qp, narrow):
+        packed = onednn.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+        ref_packed = ref.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+        for _ in range(2):
+            got = onednn.conv(layer.q_x, packed, layer.in_qp, qp, relu=True)
+            want = ref.conv(layer.q_x, ref_packed, layer.in_qp, qp, relu=True)
+            assert got.shape == want.shape and int(got.max()) <= qp.qmax
+            assert int((got.int() - want.int()).abs().max()) <= 1
+
+
+def test_bound_linear_keeps_outputs_apart() -> None:
+    """A linear weight called for a uint8 result, a float result and under two output qparams, interleaved."""
+    onednn = get_backend("onednn")
+    layer = make_layer((3, 16), (5, 16), qrange=(0, 255), per_channel=True, bias=True, seed=2)
+    packed = onednn.prepack_linear(layer.q_w, layer.w_qp, layer.bias)
+    first = QParams(torch.tensor(0.05), torch.tensor(128), 0, 255)
+    second = QParams(torch.tensor(0.2), torch.tensor(9), 0, 255)
+    for _ in range(2):
+        for qp in (first, second):
+            fresh = onednn.prepack_linear(layer.q_w, layer.w_qp, layer.bias)
+            assert torch.equal(onednn.linear(layer.q_x, packed, layer.in_qp, qp, relu=False),
+                               onednn.linear(layer.q_x, fresh, layer.in_qp, qp, relu=False))
+        as_float = onednn.linear_to_float(layer.q_x, packed, layer.in_qp, first, relu=False)
+        assert as_float.dtype == torch.float32
+        rounded = onednn.linear(layer.q_x, packed, layer.in_qp, first, relu=False)
+        assert int((onednn.quantize(as_float, first).int() - rounded.int()).abs().max()) <= 1
+
+
+def test_bound_conv_add_matches_conv_then_add() -> None:
+    """The fused conv + add, bound per input and accum shape, against the conv and the add run separately (within
+    one step: the fused kernel rounds once), for a shape it fuses and one it runs unfused (one output column)."""
+    onednn = get_backend("onednn")
+    spec = ConvSpec(2, (1, 2), (0, 0), (1, 1), 1)
+    layer = conv_layer(ConvCase(spec, 1, 4, 4, (1, 3), (5, 9), False, True, False), (0, 255), 4)
+    conv_qp = output_qparams(float_conv(layer, spec))
+    accum_qp = QParams(torch.tensor(0.04), torch.tensor(100), 0, 255)
+    sum_qp = QParams(torch.tensor(0.08), torch.tensor(90), 0, 255)
+    qps = ConvAddQParams(layer.in_qp, conv_qp, accum_qp, sum_qp)
+    packed = onednn.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+    for width in (9, 3, 9):  # 3: a one-column output, unfused
+        a = layer.q_x[..., :width].contiguous()
+        conv = onednn.conv(a, packed, layer.in_qp, conv_qp, relu=False)
+        accum = torch.randint(0, 256, conv.shape, dtype=torch.uint8).contiguous(memory_format=torch.channels_last)
+        want = onednn.add(conv, accum, conv_qp, accum_qp, sum_qp, relu=True)
+        got = onednn.conv_add(a, packed, accum.clone(), qps, relu=True)
+        assert got.shape == want.shape
+        assert int((got.int() - want.int()).abs().max()) <= 1
