@@ -138,17 +138,18 @@ def _native_global_mean(a: torch.Tensor, qp: QParams, output_size: Any) -> torch
     integer rounding (the float64 path's result; float32 agrees but at a rounding tie a few ulps away). None where
     it does not apply: no C loop, another output size or dtype, per-channel qparams, spatial memory that is not
     evenly spaced. A classifier head or SE block at batch 1: ~10 us against ~40-100 us for the torch path's passes."""
-    sizes = (output_size,) * (a.dim() - 2) if isinstance(output_size, int) else tuple(output_size)
-    if (native.loops is None or a.dtype != torch.uint8 or a.device.type != "cpu" or qp.per_channel
-            or len(sizes) != a.dim() - 2 or any(size != 1 for size in sizes) or a.numel() == 0):
+    ones = (1,) * (a.dim() - 2)
+    pools_to_one = output_size == 1 if isinstance(output_size, int) else tuple(output_size) == ones
+    if (native.loops is None or not pools_to_one or a.dtype != torch.uint8
+            or a.device.type != "cpu" or qp.per_channel or a.dim() < 3 or a.numel() == 0):
         return None
-    inner_stride = _flat_stride(tuple(a.shape[2:]), a.stride()[2:])
+    shape, strides = a.shape, a.stride()
+    inner_stride = _flat_stride(tuple(shape[2:]), strides[2:])
     if inner_stride is None:
         return None
-    out = torch.empty((*a.shape[:2], *(1,) * (a.dim() - 2)), dtype=torch.uint8)
-    zero_point = int(qp.zero_point)
-    native.loops.mean_u8(a.data_ptr(), out.data_ptr(), a.shape[0], a.shape[1], math.prod(a.shape[2:]), a.stride(0),
-                         a.stride(1), inner_stride, zero_point, qp.qmin, qp.qmax)
+    out = torch.empty((shape[0], shape[1], *ones), dtype=torch.uint8)
+    native.loops.mean_u8(a.data_ptr(), out.data_ptr(), shape[0], shape[1], math.prod(shape[2:]), strides[0],
+                         strides[1], inner_stride, qp.scalar()[1], qp.qmin, qp.qmax)
     return out
 
 
