@@ -1,8 +1,9 @@
-/* fxquant._native: three hot loops in C, each with a torch fallback that gives the same results.
+/* fxquant._native: four hot loops in C, each with a torch fallback that gives the same results.
  *
  * scan_f32: the histogram observers' counting (see fxquant/observers/counting.py for the contract).
  * quantize_f32: float32 -> uint8/int8 activations (fxquant/kernels/plain_int8.py), optionally NCHW -> NHWC.
  * mean_u8: the global average pool of uint8 activations (fxquant/kernels/plain_int8.py), in integers.
+ * mul_u8: the product of two uint8 activations (an SE gate), rounded once (fxquant/kernels/plain_int8.py).
  *
  * scan_f32 reads a batch of float32 values once: per block of values that fits in L1, a min/max/NaN pass, then
  * (while every value seen lies on the grid) the bin indices and their counts. torch has no fused op for this; its
@@ -16,6 +17,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -317,10 +319,90 @@ static PyObject *mean_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* The loops of mul_u8 (below), outside the GIL: float32 or float64 arithmetic, as PlainInt8Backend.mul does it.
+ * Rows along the last dimension; the two common rows get unit-stride loops the compiler vectorizes: all three tensors
+ * dense along the row (channels-last, or same-shape operands), or b constant along it (an SE gate on NCHW). */
+#define MUL_VALUE(REAL, RINT, VA, VB)                                                                                \
+    do {                                                                                                             \
+        REAL v_ = RINT((REAL)((int)(VA) - za) * ((REAL)((int)(VB) - zb) * factor));                                 \
+        v_ = v_ > lo ? v_ : lo;                                                                                      \
+        v_ = v_ < hi ? v_ : hi;                                                                                      \
+        value = (uint8_t)((int)v_ + zo);                                                                             \
+    } while (0)
+#define MUL_LOOP(NAME, REAL, RINT)                                                                                   \
+    VECTOR_CLONES static void NAME(const uint8_t *a, const uint8_t *b, uint8_t *out, const int64_t *shape,          \
+                                   const int64_t *sa, const int64_t *sb, const int64_t *so, int za, int zb, int zo,  \
+                                   int qmin, int qmax, double k) {                                                  \
+        const REAL factor = (REAL)k, lo = (REAL)(qmin - zo), hi = (REAL)(qmax - zo);                                 \
+        const int64_t len = shape[2];                                                                                \
+        uint8_t value;                                                                                               \
+        for (int64_t n = 0; n < shape[0]; n++)                                                                       \
+            for (int64_t r = 0; r < shape[1]; r++) {                                                                 \
+                const uint8_t *pa = a + n * sa[0] + r * sa[1], *pb = b + n * sb[0] + r * sb[1];                     \
+                uint8_t *po = out + n * so[0] + r * so[1];                                                           \
+                if (sa[2] == 1 && sb[2] == 1 && so[2] == 1) {                                                        \
+                    for (int64_t i = 0; i < len; i++) {                                                              \
+                        MUL_VALUE(REAL, RINT, pa[i], pb[i]);                                                         \
+                        po[i] = value;                                                                               \
+                    }                                                                                                \
+                } else if (sa[2] == 1 && sb[2] == 0 && so[2] == 1) {                                                 \
+                    const uint8_t gate = pb[0];                                                                      \
+                    for (int64_t i = 0; i < len; i++) {                                                              \
+                        MUL_VALUE(REAL, RINT, pa[i], gate);                                                          \
+                        po[i] = value;                                                                               \
+                    }                                                                                                \
+                } else {                                                                                             \
+                    for (int64_t i = 0; i < len; i++) {                                                              \
+                        MUL_VALUE(REAL, RINT, pa[i * sa[2]], pb[i * sb[2]]);                                         \
+                        po[i * so[2]] = value;                                                                       \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+    }
+MUL_LOOP(mul_loop_f32, float, rintf)
+MUL_LOOP(mul_loop_f64, double, rint)
+
+/* mul_u8(a_ptr, b_ptr, out_ptr, (outer, channels, inner), a_strides, b_strides, out_strides, za, zb, zo, qmin, qmax,
+ *        k, float64)
+ *
+ * Element [n, r, i] of each uint8 tensor lies at ptr[n * s[0] + r * s[1] + i * s[2]] (strides in elements; 0 where b
+ * is broadcast, e.g. an SE gate of shape (N, C, 1, 1)); the caller puts the dimension with the smallest strides last
+ * (channels for channels-last tensors). out = clamp(rint((a - za) * ((b - zb) * k)) + zo, qmin,
+ * qmax), each product rounded in float32 (float64 if asked) in that order, k rounded to that type first: the
+ * operations fxquant's torch path runs, so the results are the same bits, in one pass instead of seven.
+ */
+static PyObject *mul_u8(PyObject *self, PyObject *args) {
+    unsigned long long a_addr, b_addr, out_addr;
+    int64_t shape[3], sa[3], sb[3], so[3];
+    long long za, zb, zo, qmin, qmax;
+    double k;
+    int wide;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KKK(LLL)(LLL)(LLL)(LLL)LLLLLdp", &a_addr, &b_addr, &out_addr, &shape[0], &shape[1],
+                          &shape[2], &sa[0], &sa[1], &sa[2], &sb[0], &sb[1], &sb[2], &so[0], &so[1], &so[2], &za, &zb,
+                          &zo, &qmin, &qmax, &k, &wide))
+        return NULL;
+    if (shape[0] < 0 || shape[1] < 0 || shape[2] < 0 || qmin < 0 || qmax > 255 || qmin > qmax || zo < qmin ||
+        zo > qmax || !(k == k)) {
+        PyErr_SetString(PyExc_ValueError, "mul_u8: bad shape, range or factor");
+        return NULL;
+    }
+    const uint8_t *a = (const uint8_t *)(uintptr_t)a_addr, *b = (const uint8_t *)(uintptr_t)b_addr;
+    uint8_t *out = (uint8_t *)(uintptr_t)out_addr;
+    Py_BEGIN_ALLOW_THREADS
+    if (wide)
+        mul_loop_f64(a, b, out, shape, sa, sb, so, (int)za, (int)zb, (int)zo, (int)qmin, (int)qmax, k);
+    else
+        mul_loop_f32(a, b, out, shape, sa, sb, so, (int)za, (int)zb, (int)zo, (int)qmin, (int)qmax, k);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scan_f32", scan_f32, METH_VARARGS, "Min, max and grid counts of dense float32 values in one read."},
     {"quantize_f32", quantize_f32, METH_VARARGS, "float32 -> uint8/int8 with one scale and zero point (NCHW->NHWC)."},
     {"mean_u8", mean_u8, METH_VARARGS, "Rounded per-channel means of uint8 activations (global average pool)."},
+    {"mul_u8", mul_u8, METH_VARARGS, "Product of two uint8 activations (b may broadcast), rounded once."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -153,6 +153,42 @@ def _native_global_mean(a: torch.Tensor, qp: QParams, output_size: Any) -> torch
     return out
 
 
+def _three_strides(t: torch.Tensor) -> tuple[int, int, int] | None:
+    """(sample, channel, position) strides of ``t`` viewed as (N, C, positions); None if its positions are not
+    evenly spaced in memory."""
+    inner = _flat_stride(tuple(t.shape[2:]), t.stride()[2:])
+    return None if inner is None else (t.stride(0), t.stride(1), inner)
+
+
+def _native_mul(a: torch.Tensor, b: torch.Tensor, qps: tuple[QParams, QParams, QParams],
+                dtype: torch.dtype) -> torch.Tensor | None:
+    """``PlainInt8Backend.mul`` by the C loop, the same operations in ``dtype`` (so the same bits) in one pass:
+    ``a`` full size, ``b`` of ``a``'s shape or broadcast over its positions (an SE gate, (N, C, 1, 1)). None where it
+    does not apply: no C loop, other dtypes or shapes, per-channel qparams, positions not evenly spaced. An SE
+    gate at 1x96x56x56 channels-last, one thread: 0.16 ms against 0.68 ms for the seven torch passes."""
+    qa, qb, qout = qps
+    if (native.loops is None or a.dtype != torch.uint8 or b.dtype != torch.uint8 or qout.dtype != torch.uint8
+            or dtype not in (torch.float32, torch.float64) or a.dim() < 3 or b.dim() != a.dim()
+            or any(qp.per_channel for qp in qps) or a.device.type != "cpu" or b.device.type != "cpu"
+            or torch.broadcast_shapes(a.shape, b.shape) != a.shape or b.shape[:2] != a.shape[:2]):
+        return None
+    gate = b.numel() == a.shape[0] * a.shape[1]
+    if not gate and b.shape != a.shape:
+        return None
+    out = torch.empty_like(a)
+    strides = [_three_strides(a), (b.stride(0), b.stride(1), 0) if gate else _three_strides(b), _three_strides(out)]
+    if any(s is None for s in strides):
+        return None
+    rows = [s for s in strides if s is not None]
+    dims = (a.shape[0], a.shape[1], math.prod(a.shape[2:]))
+    if rows[0][1] < rows[0][2]:  # channels-last: rows of channels, one per position
+        dims, rows = (dims[0], dims[2], dims[1]), [(s[0], s[2], s[1]) for s in rows]
+    (sa, za), (sb, zb), (so, zo) = qa.scalar(), qb.scalar(), qout.scalar()
+    native.loops.mul_u8(a.data_ptr(), b.data_ptr(), out.data_ptr(), dims, rows[0], rows[1], rows[2], za, zb, zo,
+                        qout.qmin, qout.qmax, sa * sb / so, dtype == torch.float64)
+    return out
+
+
 class PlainInt8Backend(Backend):
     """Quantize/dequantize/add/relu/pools for backends whose activations are plain uint8 tensors.
 
@@ -219,6 +255,9 @@ class PlainInt8Backend(Backend):
         if a.numel() < b.numel():
             a, b, qa, qb = b, a, qb, qa
         dtype = self.elementwise_dtype
+        fast = _native_mul(a, b, (qa, qb, qout), dtype)
+        if fast is not None:
+            return fast
         factor = centered(b, qb, dtype).mul_(float(qa.scale) * float(qb.scale) / float(qout.scale))
         product = centered(a, qa, dtype)
         product = product.mul_(factor) if product.shape == torch.broadcast_shapes(a.shape, b.shape) else \

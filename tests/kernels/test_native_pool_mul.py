@@ -1,5 +1,8 @@
-"""The global average pool of uint8 activations (the C loop ``mean_u8``, or torch without it) against integer
-arithmetic by hand: ``round_half_even(sum(q - zero_point) / count) + zero_point``, clamped to the range."""
+"""The C loops for element-wise int8 ops on plain uint8 activations, against independent references.
+
+The global average pool (``mean_u8``, or torch without it) against integer arithmetic by hand:
+``round_half_even(sum(q - zero_point) / count) + zero_point``, clamped to the range. The product (``mul_u8``, SE
+gates) against the torch path's own float arithmetic bit for bit, and the float product within one step."""
 
 from __future__ import annotations
 
@@ -84,3 +87,48 @@ def test_what_the_c_loop_does_not_take_runs_in_torch(name: str) -> None:
     transposed = q.transpose(2, 3)
     assert _native_global_mean(transposed, qp, 1) is None
     assert torch.equal(get_backend(name).adaptive_avg_pool(transposed, qp, 1), _by_hand(transposed, qp))
+
+
+@pytest.mark.parametrize("name", PLAIN)
+@given(batch=st.integers(1, 3), channels=st.integers(1, 9), spatial=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+       gate=st.booleans(), seed=st.integers(0, 2**16),
+       layout=st.sampled_from(["contiguous", "channels_last", "sliced"]))
+@CONTRACT
+def test_the_c_mul_gives_the_torch_paths_bits(name: str, batch: int, channels: int, spatial: list[int], gate: bool,
+                                              seed: int, layout: str) -> None:
+    """The C product (an SE gate broadcast over positions, or two tensors of one shape) is the torch path's
+    float32 (onednn) or float64 (reference) arithmetic exactly, and within one step of the float product."""
+    from fxquant import native
+
+    gen = torch.Generator().manual_seed(seed)
+    shape = (batch, channels, *spatial)
+    a = torch.randint(0, 256, shape, generator=gen, dtype=torch.int64).to(torch.uint8)
+    b = torch.randint(0, 256, shape[:2] + (1,) * len(spatial) if gate else shape, generator=gen,
+                      dtype=torch.int64).to(torch.uint8)
+    qa, qb, qout = (QParams(torch.rand((), generator=gen) * 0.1 + 0.001, torch.randint(0, 256, (), generator=gen),
+                            0, 255) for _ in range(3))
+    backend = get_backend(name)
+    x = _laid_out(a, layout)
+    with_c = backend.mul(x, b, qa, qb, qout)
+    loops, native.loops = native.loops, None
+    try:
+        in_torch = backend.mul(x, b, qa, qb, qout)
+    finally:
+        native.loops = loops
+    assert torch.equal(with_c, in_torch)
+    want = backend.quantize(backend.dequantize(a, qa) * backend.dequantize(b, qb), qout)
+    assert int((with_c.int() - want.int()).abs().max()) <= 1
+
+
+@pytest.mark.parametrize(("shape", "layout", "gate"), [((2, 5, 4, 6), "channels_last", True),
+                                                       ((2, 5, 4, 6), "contiguous", False),
+                                                       ((1, 8, 33), "contiguous", True)])
+def test_the_c_mul_runs(shape: tuple[int, ...], layout: str, gate: bool) -> None:
+    from fxquant import native
+    from fxquant.kernels.plain_int8 import _native_mul
+
+    assert native.loops is not None, "fxquant._native was not built: reinstall with a C compiler"
+    a = _laid_out(torch.randint(0, 256, shape, dtype=torch.int64).to(torch.uint8), layout)
+    b = torch.randint(0, 256, shape[:2] + (1,) * (len(shape) - 2) if gate else shape, dtype=torch.int64).to(torch.uint8)
+    qp = QParams(torch.tensor(0.02), torch.tensor(37), 0, 255)
+    assert _native_mul(a, b, (qp, qp, qp), torch.float32) is not None
