@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -49,7 +49,6 @@ from fxquant.kernels.registry import register_backend
 from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 
 _OPS = ("qlinear_prepack", "qlinear_pointwise", "qconv_prepack", "qconv_pointwise")
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 # fxquant's unary names -> the ops' (post-op, algorithm); both ops round once after it (checked against the
 # reference: within one step). qconv has no GELU post-op, and its 3-d form (and its own 1-d one) none of these.
 _POST_OPS = {"silu": ("swish", ""), "hardswish": ("hardswish", ""), "gelu": ("gelu", "none"),
@@ -84,8 +83,9 @@ class OnednnWeight:
     calls: dict[tuple[Any, ...], _Call] = field(default_factory=dict, compare=False)  # see ``_bound``
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
-        # The packed tensor is opaque (no storage to copy) and never modified after packing, so copies share it.
-        return self
+        # The packed tensors are opaque (no storage to copy) and never modified after packing, so copies share them.
+        # The bound calls are keyed by the layer's qparams objects, which the copy gets afresh: it binds its own.
+        return replace(self, calls={})
 
     def for_input(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The weight packed for inputs of ``shape`` (packed on first use), or the generic one past the limit."""
@@ -209,13 +209,6 @@ def _cached_pool2d_arguments(dim: int, items: tuple[tuple[str, Any], ...]) -> tu
     stride = pair(kwargs.get("stride") or kwargs["kernel_size"], 1)
     return (kernel, stride, pair(kwargs.get("padding"), 0), pair(kwargs.get("dilation"), 1),
             bool(kwargs.get("ceil_mode", False)))
-
-
-def _within(out: torch.Tensor, qp: QParams) -> torch.Tensor:
-    """oneDNN saturates to [0, 255]; narrower ranges (7-bit activations for fbgemm) need one more clamp."""
-    if (qp.qmin, qp.qmax) == UINT8_RANGE:
-        return out
-    return out.clamp_(qp.qmin, qp.qmax)
 
 
 def _clamp(low: int | None, within: QParams | None) -> tuple[int | None, int | None] | None:
@@ -401,6 +394,8 @@ class OnednnBackend(PlainInt8Backend):
 
     def _bind_conv_add(self, w: OnednnWeight, shape: tuple[int, ...], accum: torch.Tensor, qps: ConvAddQParams,
                        relu: bool) -> _Call:
+        """``conv_add``'s call for inputs of ``shape`` and an ``accum`` like this one: the fused op, or conv then
+        add where the fused op does not apply."""
         spec = w.spec
         assert spec is not None, "conv_add() got weights packed by prepack_linear()"
         unfused = functools.partial(super().conv_add, packed=PackedWeight(self.name, w), qps=qps, relu=relu)

@@ -102,3 +102,19 @@ def test_bound_conv_add_matches_conv_then_add() -> None:
         got = onednn.conv_add(a, packed, accum.clone(), qps, relu=True)
         assert got.shape == want.shape
         assert int((got.int() - want.int()).abs().max()) <= 1
+
+
+def test_a_deep_copy_binds_its_own_calls() -> None:
+    """Copies share the packed weight but get fresh qparams objects: each binds its own calls (a shared cache would
+    fill up with the copies' keys), and both compute the same result."""
+    import copy
+
+    onednn = get_backend("onednn")
+    layer = make_layer((2, 16), (4, 16), qrange=(0, 255), per_channel=True, bias=True, seed=5)
+    out_qp = QParams(torch.tensor(0.05), torch.tensor(128), 0, 255)
+    packed = onednn.prepack_linear(layer.q_w, layer.w_qp, layer.bias)
+    want = onednn.linear(layer.q_x, packed, layer.in_qp, out_qp, relu=False)
+    copied, in_copy, out_copy = copy.deepcopy((packed, layer.in_qp, out_qp))
+    assert copied.payload.calls == {} and copied.payload.packed is packed.payload.packed
+    assert torch.equal(onednn.linear(layer.q_x, copied, in_copy, out_copy, relu=False), want)
+    assert len(packed.payload.calls) == 1 and len(copied.payload.calls) == 1
