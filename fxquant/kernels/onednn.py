@@ -55,8 +55,8 @@ _POST_OPS = {"silu": ("swish", ""), "hardswish": ("hardswish", ""), "gelu": ("ge
              "gelu_tanh": ("gelu", "tanh"), "relu": ("relu", ""), "none": ("none", "")}
 
 
-_SHAPES_PER_WEIGHT = 3  # input shapes a conv weight is repacked for (e.g. batch 1 and a serving batch)
-_CALLS_PER_WEIGHT = 16  # bound calls kept per weight (input shape x output kind); further ones are built per call
+_SHAPES_PER_WEIGHT = 4  # (input shape, threads) a conv weight is repacked for (e.g. batch 1 and a serving batch)
+_CALLS_PER_WEIGHT = 16  # bound calls kept per weight (input shape x threads x output kind); more are built per call
 _Call = Callable[..., torch.Tensor]
 
 
@@ -65,9 +65,11 @@ class OnednnWeight:
     """A oneDNN-packed weight plus the arguments every call repeats.
 
     A conv weight is packed once for any input (``packed``) and again for each of the first few input shapes it
-    meets (``for_input``): oneDNN picks the blocked weight layout by the input shape, and the generic one costs up to
-    22% per call on deep layers (ResNet-18's 512-channel 3x3 conv at batch 32: 6.9 ms against 5.4 ms), while a
-    layout packed for another shape can cost 3x (batch 1 on a batch-32 layout).
+    meets (``for_input``): oneDNN picks the blocked weight layout by the input shape and the thread count, and the
+    generic one costs up to 22% per call on deep layers (ResNet-18's 512-channel 3x3 conv at batch 32: 6.9 ms against
+    5.4 ms), while a layout packed for another shape can cost 3x (batch 1 on a batch-32 layout) and one packed under
+    another thread count makes oneDNN reorder the weight on every call (MobileNetV2 at batch 1, first called with two
+    threads, then run with one: 43 ms against 9 ms).
     """
 
     packed: torch.Tensor
@@ -78,7 +80,7 @@ class OnednnWeight:
     kernel: tuple[int, ...] = ()
     out_channels: int = 0
     repack: Callable[[list[int]], torch.Tensor] | None = None
-    by_shape: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, compare=False)
+    by_shape: dict[tuple[tuple[int, ...], int], torch.Tensor] = field(default_factory=dict, compare=False)
     height_one: bool = False  # a conv1d packed as a conv2d over a height of one (see ``prepack_conv``)
     zero_point_folded: bool = False  # the input zero point is in ``bias``: calls pass 0 (see ``prepack_conv``)
     calls: dict[tuple[Any, ...], _Call] = field(default_factory=dict, compare=False)  # see ``_bound``
@@ -89,12 +91,14 @@ class OnednnWeight:
         return replace(self, calls={})
 
     def for_input(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """The weight packed for inputs of ``shape`` (packed on first use), or the generic one past the limit."""
-        packed = self.by_shape.get(shape)
+        """The weight packed for inputs of ``shape`` at the current thread count (packed on first use), or the
+        generic one past the limit."""
+        key = (shape, torch.get_num_threads())
+        packed = self.by_shape.get(key)
         if packed is None:
             if self.repack is None or len(self.by_shape) >= _SHAPES_PER_WEIGHT:
                 return self.packed
-            packed = self.by_shape[shape] = self.repack(list(shape))
+            packed = self.by_shape[key] = self.repack(list(shape))
         return packed
 
 
@@ -174,7 +178,7 @@ def _out_shape(shape: tuple[int, ...], w: OnednnWeight, padding: list[int] | tup
 
 
 def _bound(w: OnednnWeight, key: tuple[Any, ...], bind: Callable[[], _Call]) -> _Call:
-    """The call ``bind`` makes for ``key`` (input shape, qparams, output kind), made once per weight.
+    """The call ``bind`` makes for ``key`` (input shape and thread count, qparams, output kind), made once per weight.
 
     Everything about a call but its tensors depends only on the input's shape and the layer's qparams: which
     workaround applies, the weight packed for that shape, the op's 16 other arguments, the clamp after it. Deciding
@@ -381,14 +385,14 @@ class OnednnBackend(PlainInt8Backend):
     def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
              relu: bool) -> torch.Tensor:
         w: OnednnWeight = packed.payload
-        return _bound(w, (a.shape, in_qp, out_qp, relu),
+        return _bound(w, (a.shape, torch.get_num_threads(), in_qp, out_qp, relu),
                       lambda: _bind_conv(w, tuple(a.shape), in_qp, _uint8(out_qp), _relu(relu), out_qp))(a)
 
     def conv_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                       relu: bool) -> torch.Tensor:
         """``qconv_pointwise`` with ``output_dtype`` float32, scale 1, zero point 0: the unrounded float result."""
         w: OnednnWeight = packed.payload
-        return _bound(w, (a.shape, in_qp, _FLOAT, relu),
+        return _bound(w, (a.shape, torch.get_num_threads(), in_qp, _FLOAT, relu),
                       lambda: _bind_conv(w, tuple(a.shape), in_qp, _FLOAT, _relu(relu), None))(a)
 
     def conv_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
@@ -399,7 +403,7 @@ class OnednnBackend(PlainInt8Backend):
         assert w.spec is not None, "conv_unary() got weights packed by prepack_linear()"
         if w.spec.dim != 2:
             return super().conv_unary(a, packed, in_qp, out_qp, unary, unary_qp)
-        return _bound(w, (a.shape, in_qp, unary_qp, unary),
+        return _bound(w, (a.shape, torch.get_num_threads(), in_qp, unary_qp, unary),
                       lambda: _bind_conv(w, tuple(a.shape), in_qp, _uint8(unary_qp), unary, unary_qp))(a)
 
     def conv_add(self, a: torch.Tensor, packed: PackedWeight, accum: torch.Tensor, qps: ConvAddQParams, *,
@@ -408,7 +412,7 @@ class OnednnBackend(PlainInt8Backend):
         and rounds once, writing into ``accum`` (channels-last uint8 of the output's shape). Shapes the fused op
         does not take (conv1d, the one-column workaround) run as conv then add."""
         w: OnednnWeight = packed.payload
-        fused = _bound(w, (a.shape, accum.shape, accum.dtype, qps, relu),
+        fused = _bound(w, (a.shape, torch.get_num_threads(), accum.shape, accum.dtype, qps, relu),
                        lambda: self._bind_conv_add(w, tuple(a.shape), accum, qps, relu))
         return fused(a, accum)
 
