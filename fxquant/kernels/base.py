@@ -116,8 +116,11 @@ class Backend(ABC):
     def dequantize(self, a: torch.Tensor, qp: QParams) -> torch.Tensor: ...
 
     @abstractmethod
-    def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> PackedWeight:
-        """``weight`` is the int8 weight (plain ``torch.int8``), ``w_qp`` its symmetric qparams."""
+    def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, *,
+                       in_qp: QParams | None = None) -> PackedWeight:
+        """``weight`` is the int8 weight (plain ``torch.int8``), ``w_qp`` its symmetric qparams; ``in_qp``, where
+        known, the qparams of the inputs the layer will be called with (a backend may fold their zero point into
+        the bias; calls with other qparams must still be right)."""
 
     @abstractmethod
     def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,

@@ -132,7 +132,8 @@ class _QuantizedDtypeBackend(Backend):
     def dequantize(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
         return a.dequantize()
 
-    def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> PackedWeight:
+    def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, *,
+                       in_qp: QParams | None = None) -> PackedWeight:
         with quantized_engine(self.engine):
             payload = _q.linear_prepack(_weight_tensor(weight, w_qp), bias)
         return PackedWeight(self.name, payload)

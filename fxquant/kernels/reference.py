@@ -121,7 +121,8 @@ class ReferenceBackend(PlainInt8Backend):
     fuses_conv_add = True  # the single-rounding conv + add that fusing backends are checked against
     fuses_float_output = fuses_float_conv_output = True  # and the unrounded float Linear/Conv
 
-    def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> PackedWeight:
+    def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, *,
+                       in_qp: QParams | None = None) -> PackedWeight:
         return PackedWeight(self.name, _integer_weight(weight, w_qp, bias, None))
 
     def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,

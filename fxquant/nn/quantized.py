@@ -104,7 +104,7 @@ class QuantizedLinear(_QuantizedWeighted):
 
     def relower(self, backend: Backend) -> None:
         super().relower(backend)
-        self._packed = backend.prepack_linear(self.weight, self.w_qp, self.bias)
+        self._packed = backend.prepack_linear(self.weight, self.w_qp, self.bias, in_qp=self.in_qp)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         if self.unary is not None and self.unary_qp is not None:
