@@ -127,6 +127,17 @@ def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | Non
                         repack, height_one=height_one, folded=with_zero_point)
 
 
+def _foldable(weight: torch.Tensor, in_qp: QParams | None) -> tuple[float, int] | None:
+    """The input (scale, zero point) to fold into the bias, or None: no input qparams, zero point 0 already, or rows
+    whose uncentered sum ``sum(w * q)`` could leave int32. oneDNN sums ``w * q`` in wrapping int32 and subtracts
+    ``z * sum(w)`` in int32 too, which is exact whenever the centered result fits (fxquant refuses layers where it
+    does not); a folded zero point is subtracted in float after the conversion, so the uncentered sum must fit."""
+    if in_qp is None or in_qp.per_channel or in_qp.scalar()[1] == 0:
+        return None
+    longest = int(weight.to(torch.int64).abs().flatten(1).sum(1).max()) * max(abs(in_qp.qmin), abs(in_qp.qmax))
+    return in_qp.scalar() if longest <= 2**31 - 1 else None
+
+
 def _operands(w: OnednnWeight, qp: QParams) -> tuple[float, int, torch.Tensor | None]:
     """The input scale and zero point the op is called with, and the bias that goes with them: zero point 0 and the
     folded bias for the input qparams the weight was packed for, the real ones otherwise."""
@@ -351,8 +362,7 @@ class OnednnBackend(PlainInt8Backend):
         # The input zero point folded into the bias, as for unpadded convs (``prepack_conv``): the op at BERT-base's
         # FFN input projection (1024x768 -> 3072, one thread) takes 5.1 ms without one against 6.4 ms with zero
         # point 7 (the zoo's bert_style, hidden 256, is not faster: 24.3 ms a forward either way).
-        folded = None if in_qp is None or in_qp.per_channel or in_qp.scalar()[1] == 0 else in_qp.scalar()
-        return PackedWeight(self.name, _onednn_weight(weight, w_qp, bias, packed, folded=folded))
+        return PackedWeight(self.name, _onednn_weight(weight, w_qp, bias, packed, folded=_foldable(weight, in_qp)))
 
     def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                relu: bool) -> torch.Tensor:
@@ -384,7 +394,7 @@ class OnednnBackend(PlainInt8Backend):
         # conv 320 -> 1280 on 7x7 takes 338 us with zero point 7 and 96 us with 0; 1x32x56x56 -> 192: 185 vs 152 us).
         # Without padding the correction is the same for every output of a channel, so it moves into the bias
         # once: conv(q - z) = conv(q) - z * sum(w). Padded convs keep it (their border outputs sum fewer weights).
-        folded = (x_scale, x_zp) if x_zp != 0 and not any(spec.padding) else None
+        folded = None if any(spec.padding) else _foldable(weight, in_qp)
         pack_zp = 0 if folded else x_zp
 
         def pack(input_shape: list[int] | None) -> torch.Tensor:

@@ -199,3 +199,14 @@ def test_a_conv_called_with_other_input_qparams_than_it_was_packed_for() -> None
         got = onednn.conv(layer.q_x, packed, qp, out_qp, relu=False)
         want = ref.conv(layer.q_x, ref_packed, qp, out_qp, relu=False)
         assert int((got.int() - want.int()).abs().max()) <= 1, qp.scalar()
+
+
+def test_no_fold_where_the_uncentered_sum_could_leave_int32() -> None:
+    """oneDNN's own zero-point correction is exact in wrapping int32 whenever the centered sum fits; a folded zero
+    point is subtracted in float after the int32 sum, so rows whose ``sum(|w|) * 255`` passes 2^31 keep it."""
+    onednn = get_backend("onednn")
+    in_qp = QParams(torch.tensor(0.01), torch.tensor(128), 0, 255)
+    w_qp = QParams(torch.tensor(0.01), torch.tensor(0), -128, 127)
+    short, long = (torch.full((2, k), -128, dtype=torch.int8) for k in (65_000, 66_000))  # 255 * 128 * k vs 2^31
+    assert onednn.prepack_linear(short, w_qp, None, in_qp=in_qp).payload.folded is not None
+    assert onednn.prepack_linear(long, w_qp, None, in_qp=in_qp).payload.folded is None
