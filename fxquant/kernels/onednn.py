@@ -129,9 +129,9 @@ def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | Non
 
 def _foldable(weight: torch.Tensor, in_qp: QParams | None) -> tuple[float, int] | None:
     """The input (scale, zero point) to fold into the bias, or None: no input qparams, zero point 0 already, or rows
-    whose uncentered sum ``sum(w * q)`` could leave int32. oneDNN sums ``w * q`` in wrapping int32 and subtracts
-    ``z * sum(w)`` in int32 too, which is exact whenever the centered result fits (fxquant refuses layers where it
-    does not); a folded zero point is subtracted in float after the conversion, so the uncentered sum must fit."""
+    whose uncentered sum ``sum(w * q)`` could leave int32. oneDNN's own zero-point correction stays exact whenever
+    the centered sum fits (fxquant refuses layers where it does not; tests/robustness/test_invariants.py, k = 131071),
+    while a folded zero point is subtracted in float after the int32 sum, so the uncentered sum must fit."""
     if in_qp is None or in_qp.per_channel or in_qp.scalar()[1] == 0:
         return None
     longest = int(weight.to(torch.int64).abs().flatten(1).sum(1).max()) * max(abs(in_qp.qmin), abs(in_qp.qmax))
