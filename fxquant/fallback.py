@@ -69,7 +69,7 @@ class FallbackResult:
     chosen: int = 0  # index in ``trials``
     sensitivity: dict[str, float] = field(default_factory=dict)  # isolated SQNR (dB), most sensitive first
     # the calibrated prepare() the returned model was converted from (with keep_float=float_layers): what an
-    # artifact can record; the CLI writes it to RUN_DIR and scores convert(prepared), which is what RUN_DIR rebuilds
+    # artifact records, with that keep_float, to rebuild the returned model (the CLI writes both to RUN_DIR)
     prepared: fx.GraphModule | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -127,7 +127,6 @@ def _eval_options(args: argparse.Namespace) -> DataOptions:
 
 
 def _within_budget(args: argparse.Namespace) -> int:
-    from fxquant.api import convert
     from fxquant.calibration.adapters import forward_parameters
     from fxquant.fallback import quantize_within_budget
     from fxquant.report.evaluate import score
@@ -147,7 +146,9 @@ def _within_budget(args: argparse.Namespace) -> int:
                                     max_accuracy_drop=budget, max_trials=args.max_trials, progress=not args.quiet)
     result = qmodel.meta["fxquant_fallback"]
     assert result.prepared is not None
-    written = convert(result.prepared)  # what RUN_DIR rebuilds: no convert-time keep_float
+    # The search's model itself: RUN_DIR records its convert-time keep_float and rebuilds it exactly (measured again
+    # here all the same: what is written is what the verdict is about).
+    written = qmodel
     written_metric = eval_fn(written)
     drop_points = (result.float_metric - written_metric) * metric.points_per_unit
     met = drop_points <= args.max_accuracy_drop + 1e-9

@@ -76,6 +76,9 @@ def test_budget_met_by_keeping_a_layer_float(budget_setup: Path) -> None:
     assert manifest["stage"] == "converted"
     excluded = manifest["config"]["exclude"]
     assert excluded, manifest["config"]  # the kept-float layers are recorded, so RUN_DIR rebuilds the model
+    # the search's own model is written: its convert-time keep_float too (fxquant report rebuilds it and checks
+    # its weights against the written ones, or fails)
+    assert manifest["keep_float"] and set(manifest["keep_float"]) <= set(excluded), manifest["keep_float"]
     drop = _report_drop_points(budget_setup, run)
     assert drop <= 0.5, f"fxquant report measures a {drop:.2f}-point drop for the written model"
 
