@@ -1,6 +1,6 @@
-"""How the oneDNN backend calls its ops: each layer's call is bound once per input shape and qparams (a bound call
-must be the call it replaces, for every shape, qparams and output kind a weight meets, in any order), and an unpadded
-conv's input zero point is folded into its bias."""
+"""How the oneDNN backend calls its ops: each layer's call is bound once per input shape, thread count and qparams
+(a bound call must be the call it replaces, for every shape, qparams and output kind a weight meets, in any order),
+and the input zero point of an unpadded conv or a Linear is folded into its bias."""
 
 from __future__ import annotations
 
