@@ -25,6 +25,7 @@ _ADAPTIVE_POOLS = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adap
 _AVG_POOLS = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 _QUANTIZE_CHUNK = 1 << 18  # float32 elements per quantize step: a 1 MiB buffer that stays in L2
 _SMALL = 1 << 15  # up to this many elements quantize runs the formula as is (2-4x faster at 512 to 16K values)
+_MEAN_POSITIONS = (2**32 - 1) // 255  # the C mean's 32-bit sums hold this many uint8 values per channel
 
 
 def requantize(acc: torch.Tensor, multiplier: torch.Tensor | float, out_qp: QParams, *, relu: bool) -> torch.Tensor:
@@ -137,7 +138,8 @@ def _native_global_mean(a: torch.Tensor, qp: QParams, output_size: Any) -> torch
     """A global average pool (every output size 1) of uint8 activations by the C loop: one read of ``a``, exact
     integer rounding (the float64 path's result; float32 agrees but at a rounding tie a few ulps away). None where
     it does not apply: no C loop, another output size or dtype, per-channel qparams, spatial memory that is not
-    evenly spaced. A classifier head or SE block at batch 1: ~10 us against ~40-100 us for the torch path's passes."""
+    evenly spaced, more positions per channel than a 32-bit sum holds. A classifier head or SE block at batch 1:
+    ~10 us against ~40-100 us for the torch path's passes."""
     ones = (1,) * (a.dim() - 2)
     pools_to_one = output_size == 1 if isinstance(output_size, int) else tuple(output_size) == ones
     if (native.loops is None or not pools_to_one or a.dtype != torch.uint8
@@ -145,7 +147,7 @@ def _native_global_mean(a: torch.Tensor, qp: QParams, output_size: Any) -> torch
         return None
     shape, strides = a.shape, a.stride()
     inner_stride = _flat_stride(tuple(shape[2:]), strides[2:])
-    if inner_stride is None:
+    if inner_stride is None or math.prod(shape[2:]) > _MEAN_POSITIONS:
         return None
     out = torch.empty((shape[0], shape[1], *ones), dtype=torch.uint8)
     native.loops.mean_u8(a.data_ptr(), out.data_ptr(), shape[0], shape[1], math.prod(shape[2:]), strides[0],

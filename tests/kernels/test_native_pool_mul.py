@@ -132,3 +132,11 @@ def test_the_c_mul_runs(shape: tuple[int, ...], layout: str, gate: bool) -> None
     b = torch.randint(0, 256, shape[:2] + (1,) * (len(shape) - 2) if gate else shape, dtype=torch.int64).to(torch.uint8)
     qp = QParams(torch.tensor(0.02), torch.tensor(37), 0, 255)
     assert _native_mul(a, b, (qp, qp, qp), torch.float32) is not None
+
+
+def test_more_positions_than_a_32_bit_sum_holds_run_in_torch() -> None:
+    """A channel of 16,843,010 values of 255 would wrap the C loop's 32-bit sum: the torch path takes it."""
+    q = torch.full((1, 1, (2**32 - 1) // 255 + 1), 255, dtype=torch.uint8)
+    qp = QParams(torch.tensor(0.02), torch.tensor(0), 0, 255)
+    assert _native_global_mean(q, qp, 1) is None
+    assert int(get_backend("reference").adaptive_avg_pool(q, qp, 1)) == 255
