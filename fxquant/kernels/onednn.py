@@ -249,8 +249,7 @@ def _cached_pool2d_arguments(dim: int, items: tuple[tuple[str, Any], ...]) -> tu
 def _clamp(low: int | None, within: QParams | None) -> tuple[int | None, int | None] | None:
     """The clamp after the op: at ``low`` (a ReLU the op could not fuse) and to ``within``'s range where that is
     narrower than oneDNN's [0, 255]; None when there is nothing to clamp."""
-    narrow = within is not None and (within.qmin, within.qmax) != UINT8_RANGE
-    if within is not None and narrow:
+    if within is not None and (within.qmin, within.qmax) != UINT8_RANGE:
         return (within.qmin if low is None else max(low, within.qmin)), within.qmax
     return None if low is None else (low, None)
 
