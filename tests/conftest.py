@@ -22,3 +22,23 @@ def native_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if request.param == "torch":
         monkeypatch.setattr(native, "loops", None)
     return str(request.param)
+
+
+@pytest.fixture(params=["direct", "torch_ops"])
+def onednn_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with the onednn backend's layers on oneDNN primitives fxquant builds itself (the ``onednn`` extra,
+    which the test extra installs on x86-64 Linux) and on the torch ops that install falls back to without it.
+
+    Modules use it with ``pytestmark = pytest.mark.usefixtures("onednn_path")``.
+    """
+    import platform
+
+    from fxquant.kernels import onednn_direct
+
+    if request.param == "torch_ops":
+        monkeypatch.setattr(onednn_direct, "available", lambda: False)
+    elif platform.system() == "Linux" and platform.machine() == "x86_64":
+        assert onednn_direct.available(), f"{onednn_direct.status()}: pip install -e '.[test]' installs oneDNN"
+    else:
+        pytest.skip("Intel's oneDNN wheel is for x86-64 Linux")
+    return str(request.param)

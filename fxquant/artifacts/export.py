@@ -25,6 +25,7 @@ from fxquant.state import quant_state
 
 FORMATS = ("torchscript",)
 _ATTR = "_fxquant_export_packed"
+_INSTEAD = "convert for 'fbgemm', 'qnnpack' or 'reference' (fxquant convert RUN_DIR --backend fbgemm) and export that"
 
 
 def _script_objects(value: Any) -> Iterator[torch.ScriptObject]:
@@ -61,9 +62,7 @@ def _trace(model: fx.GraphModule, example_inputs: tuple[Any, ...], backend: str)
             traced = torch.jit.trace(model, example_inputs, check_trace=False)
     except Exception as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise ArtifactError(f"backend {backend!r} cannot be exported to TorchScript ({reason}); convert for "
-                            "'fbgemm', 'qnnpack' or 'reference' (fxquant convert RUN_DIR --backend fbgemm) and "
-                            "export that") from None
+        raise ArtifactError(f"backend {backend!r} cannot be exported to TorchScript ({reason}); {_INSTEAD}") from None
     return traced
 
 
@@ -85,6 +84,10 @@ def export(model: fx.GraphModule, path: str | Path, *, format: str = "torchscrip
     if example_inputs is None:
         with torch.random.fork_rng(devices=[]):
             example_inputs = tuple(spec.make() for spec in state.example_inputs)
+    backends = {state.backend or state.config.backend, *state.layer_backends.values()}
+    if "onednn" in backends:  # checked before tracing: the trace would record the output buffers, not the layers
+        raise ArtifactError("backend 'onednn' cannot be exported to TorchScript (its layers run oneDNN primitives "
+                            f"that fxquant builds at run time, which a trace cannot record); {_INSTEAD}")
     traced = _trace(model, example_inputs, state.backend or state.config.backend)
     buffer = io.BytesIO()
     with warnings.catch_warnings():

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from fxquant.cpu import has_vnni
+from fxquant.kernels import onednn_direct
 from fxquant.kernels.base import ConvAddQParams, ConvSpec, PackedWeight
 from fxquant.kernels.plain_int8 import PlainInt8Backend, weight_scale
 from fxquant.kernels.registry import register_backend
@@ -86,6 +87,7 @@ class OnednnWeight:
     # point 0 and that bias (see ``prepack_conv``)
     folded: tuple[tuple[float, int], torch.Tensor] | None = None
     calls: dict[tuple[Any, ...], _Call] = field(default_factory=dict, compare=False)  # see ``_bound``
+    plain: torch.Tensor | None = None  # the int8 weight, contiguous, for primitives built directly (onednn_direct)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
         # The packed tensors are opaque (no storage to copy) and never modified after packing, so copies share them.
@@ -123,8 +125,9 @@ def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | Non
         folded_bias = ((0.0 if bias is None else bias.detach().double()) - shift).to(torch.float32).contiguous()
         with_zero_point = (folded, folded_bias)
     zero_point = torch.zeros(scale.shape, dtype=torch.int64)
+    plain = weight.contiguous() if onednn_direct.available() else None
     return OnednnWeight(packed, scale, zero_point, float_bias, spec, tuple(weight.shape[2:]), int(weight.shape[0]),
-                        repack, height_one=height_one, folded=with_zero_point)
+                        repack, height_one=height_one, folded=with_zero_point, plain=plain)
 
 
 def _foldable(weight: torch.Tensor, in_qp: QParams | None) -> tuple[float, int] | None:
@@ -195,6 +198,13 @@ def _out_shape(shape: tuple[int, ...], w: OnednnWeight, padding: list[int] | tup
     return (shape[0], w.out_channels, *sizes)
 
 
+def _direct(w: OnednnWeight) -> torch.Tensor | None:
+    """The weight to build a oneDNN primitive from (onednn_direct) for the next call bound for ``w``, or None for the
+    torch op: no oneDNN library, or a full cache (building a primitive takes ~0.1-1 ms, and a call past the cache
+    binds afresh each time)."""
+    return w.plain if len(w.calls) < _CALLS_PER_WEIGHT else None
+
+
 def _bound(w: OnednnWeight, key: tuple[Any, ...], bind: Callable[[], _Call]) -> _Call:
     """The call ``bind`` makes for ``key`` (input shape and thread count, qparams, output kind), made once per weight.
 
@@ -254,11 +264,16 @@ def _clamp(low: int | None, within: QParams | None) -> tuple[int | None, int | N
     return None if low is None else (low, None)
 
 
+def _clamped(call: _Call, clamp: tuple[int | None, int | None] | None) -> _Call:
+    """``call``, its result clamped where ``clamp`` says so."""
+    if clamp is None:
+        return call
+    return lambda *tensors: call(*tensors).clamp_(*clamp)
+
+
 def _finish(op: Any, args: tuple[Any, ...], clamp: tuple[int | None, int | None] | None) -> _Call:
     """``op(a, *args)``, clamped where ``clamp`` says so."""
-    if clamp is None:
-        return lambda a: op(a, *args)
-    return lambda a: op(a, *args).clamp_(*clamp)
+    return _clamped(lambda a: op(a, *args), clamp)
 
 
 def _bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: tuple[float, int, torch.dtype],
@@ -273,13 +288,20 @@ def _bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: 
         shape = (shape[0], shape[1], 1, *shape[2:])
     if _pads_explicitly(shape, w) or _one_column(shape[-1], spec.padding[-1], w):
         return lambda a: _qconv_padded(a, w, in_qp, output, post_op, within)
-    clamp_after = post_op == "relu" and spec.dim == 3  # conv3d takes no post-op: its ReLU is a clamp after
-    attr, algorithm = _POST_OPS["none" if clamp_after else post_op]
-    # The op makes its input channels-last itself (a no-op between two convs).
-    args: tuple[Any, ...] = (x_scale, x_zp, w.for_input(shape), w.scale, w.zero_point, bias, list(spec.stride),
-                             list(spec.padding), list(spec.dilation), spec.groups, *output, attr, [], algorithm)
-    # real zero is the output zero point (0 for a float output)
-    call = _finish(torch.ops.onednn.qconv_pointwise, args, _clamp(output[1] if clamp_after else None, within))
+    plain = _direct(w)
+    direct = plain is not None and onednn_direct.conv(plain, w.scale, bias, spec, shape,
+                                                      _out_shape(shape, w, spec.padding), (x_scale, x_zp), output,
+                                                      post_op)
+    if direct:
+        call = _clamped(direct, _clamp(None, within))
+    else:
+        clamp_after = post_op == "relu" and spec.dim == 3  # the op's conv3d takes no post-op: a clamp after
+        attr, algorithm = _POST_OPS["none" if clamp_after else post_op]
+        # The op makes its input channels-last itself (a no-op between two convs).
+        args: tuple[Any, ...] = (x_scale, x_zp, w.for_input(shape), w.scale, w.zero_point, bias, list(spec.stride),
+                                 list(spec.padding), list(spec.dilation), spec.groups, *output, attr, [], algorithm)
+        # real zero is the output zero point (0 for a float output)
+        call = _finish(torch.ops.onednn.qconv_pointwise, args, _clamp(output[1] if clamp_after else None, within))
     if w.height_one:
         return lambda a: call(a.unsqueeze(2)).squeeze(2)
     return call
@@ -312,10 +334,15 @@ def _relu(relu: bool) -> str:
     return "relu" if relu else "none"
 
 
-def _bind_linear(w: OnednnWeight, in_qp: QParams, output: tuple[float, int, torch.dtype], post_op: str,
-                 within: QParams | None) -> _Call:
+def _bind_linear(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: tuple[float, int, torch.dtype],
+                 post_op: str, within: QParams | None) -> _Call:
     """One ``onednn::qlinear_pointwise`` call; arguments as for ``_bind_conv``."""
     x_scale, x_zp, bias = _operands(w, in_qp)
+    plain = _direct(w)
+    direct = plain is not None and onednn_direct.linear(plain, w.scale, bias, shape, (x_scale, x_zp), output,
+                                                        post_op)
+    if direct:
+        return _clamped(direct, _clamp(None, within))
     attr, algorithm = _POST_OPS[post_op]
     args: tuple[Any, ...] = (x_scale, x_zp, w.packed, w.scale, w.zero_point, bias, *output, attr, [], algorithm)
     return _finish(torch.ops.onednn.qlinear_pointwise, args, _clamp(None, within))
@@ -366,20 +393,21 @@ class OnednnBackend(PlainInt8Backend):
     def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                relu: bool) -> torch.Tensor:
         w: OnednnWeight = packed.payload
-        return _bound(w, (in_qp, out_qp, relu),
-                      lambda: _bind_linear(w, in_qp, _uint8(out_qp), _relu(relu), out_qp))(a)
+        return _bound(w, (a.shape, torch.get_num_threads(), in_qp, out_qp, relu),
+                      lambda: _bind_linear(w, tuple(a.shape), in_qp, _uint8(out_qp), _relu(relu), out_qp))(a)
 
     def linear_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                         relu: bool) -> torch.Tensor:
         w: OnednnWeight = packed.payload
-        return _bound(w, (in_qp, _FLOAT, relu), lambda: _bind_linear(w, in_qp, _FLOAT, _relu(relu), None))(a)
+        return _bound(w, (a.shape, torch.get_num_threads(), in_qp, _FLOAT, relu),
+                      lambda: _bind_linear(w, tuple(a.shape), in_qp, _FLOAT, _relu(relu), None))(a)
 
     def linear_unary(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, unary: str,
                      unary_qp: QParams) -> torch.Tensor:
         """The function as the op's post-op: one call, one rounding, no float tensor in between."""
         w: OnednnWeight = packed.payload
-        return _bound(w, (in_qp, unary_qp, unary),
-                      lambda: _bind_linear(w, in_qp, _uint8(unary_qp), unary, unary_qp))(a)
+        return _bound(w, (a.shape, torch.get_num_threads(), in_qp, unary_qp, unary),
+                      lambda: _bind_linear(w, tuple(a.shape), in_qp, _uint8(unary_qp), unary, unary_qp))(a)
 
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
@@ -449,6 +477,12 @@ class OnednnBackend(PlainInt8Backend):
             return lambda a, accum: unfused(a, accum=accum)
         (x_scale, x_zp, bias), (out_scale, out_zp), (acc_scale, acc_zp) = _operands(w, qps.input), qps.out.scalar(), \
             qps.accum.scalar()
+        plain = _direct(w)
+        direct = plain is not None and onednn_direct.conv(plain, w.scale, bias, spec, shape, tuple(accum.shape),
+                                                          (x_scale, x_zp), _uint8(qps.out), _relu(relu),
+                                                          accum_qp=(acc_scale, acc_zp))
+        if direct:
+            return _clamped(direct, _clamp(None, qps.out))
         head = (x_scale, x_zp, w.for_input(shape), w.scale, w.zero_point)
         tail: tuple[Any, ...] = (bias, list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups,
                                  out_scale, out_zp, torch.uint8, acc_scale, acc_zp, "sum", 1.0, _relu(relu), [], "")

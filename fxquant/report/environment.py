@@ -11,6 +11,7 @@ import platform
 import torch
 
 from fxquant.cpu import cpu_model, isa_summary
+from fxquant.kernels import onednn_direct
 from fxquant.report.sections import Environment
 from fxquant.state import QuantState
 
@@ -23,5 +24,5 @@ def describe_environment(state: QuantState, threads: int) -> Environment:
         torch=torch.__version__, fxquant=fxquant.__version__, python=platform.python_version(), cpu=cpu_model(),
         isa=isa_summary(), backend=state.backend or state.config.backend, threads=threads,
         observer=state.config.activation, weight=state.config.weight,
-        calibration_samples=state.calibration_samples,
+        calibration_samples=state.calibration_samples, onednn=onednn_direct.status(),
     )

@@ -106,7 +106,7 @@ def _environment(report: Report) -> str:
         return ""
     return (f"torch {env.torch}, fxquant {env.fxquant}, Python {env.python}; CPU: {env.cpu} ({fmt_isa(env.isa)}); "
             f"backend {env.backend}, {env.threads} thread(s); observer {env.observer}, weights {env.weight}, "
-            f"{env.calibration_samples} calibration samples")
+            f"{env.calibration_samples} calibration samples" + (f"; oneDNN: {env.onednn}" if env.onednn else ""))
 
 
 def render_markdown(report: Report) -> str:

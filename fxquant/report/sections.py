@@ -242,16 +242,17 @@ class Environment:
     observer: str = ""
     weight: str = ""
     calibration_samples: int = 0
+    onednn: str = ""  # the oneDNN the onednn backend called directly, or why it ran the torch ops (onednn_direct)
 
     def to_dict(self) -> dict[str, Any]:
         return {"torch": self.torch, "fxquant": self.fxquant, "python": self.python, "cpu": self.cpu,
                 "isa": dict(self.isa), "backend": self.backend, "threads": self.threads, "observer": self.observer,
-                "weight": self.weight, "calibration_samples": self.calibration_samples}
+                "weight": self.weight, "calibration_samples": self.calibration_samples, "onednn": self.onednn}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], where: str = "environment") -> Environment:
         isa = section(data, "isa", where, required=False) or {}
         texts = {k: str(data.get(k, "")) for k in ("torch", "fxquant", "python", "cpu", "backend", "observer",
-                                                   "weight")}
+                                                   "weight", "onednn")}
         return cls(isa={str(k): bool(v) for k, v in isa.items()}, threads=int(number(data, "threads", where, 0.0)),
                    calibration_samples=int(number(data, "calibration_samples", where, 0.0)), **texts)

@@ -40,6 +40,7 @@ from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import QParams, affine_qparams, dequantize
 
 BACKENDS = backends_under_test()
+pytestmark = pytest.mark.usefixtures("onednn_path")  # onednn on its own primitives and on the torch ops
 
 
 def _backend(name: str) -> Backend:

@@ -35,6 +35,7 @@ from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import QParams, affine_qparams, dequantize, quantize
 
 BACKENDS = backends_under_test()
+pytestmark = pytest.mark.usefixtures("onednn_path")  # onednn on its own primitives and on the torch ops
 PLAIN = [n for n in ("onednn", "reference") if n in available_backends()]
 
 

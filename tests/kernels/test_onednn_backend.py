@@ -26,7 +26,8 @@ from fxquant.kernels.base import ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import QParams
 
-pytestmark = pytest.mark.skipif("onednn" not in available_backends(), reason="torch.ops.onednn int8 ops missing")
+pytestmark = [pytest.mark.skipif("onednn" not in available_backends(), reason="torch.ops.onednn int8 ops missing"),
+              pytest.mark.usefixtures("onednn_path")]  # its own primitives and the torch ops
 
 
 def _conv_lsb(case: ConvCase, seed: int = 0) -> int:

@@ -1,0 +1,497 @@
+/* oneDNN int8 convolution and matmul primitives called directly, built once per layer and input shape.
+
+Why: torch 2.13's plain-tensor ops (onednn::qconv_pointwise, qlinear_pointwise) rebuild the primitive descriptor,
+the scale and zero-point memories and the scratchpad on every call: ~50-100 us around a kernel that takes ~10-100 us
+at batch 1. Here all of that is built once (``Primitive(...)``) and a call sets two data pointers and executes.
+
+The library is not linked: ``load(path)`` dlopens the libdnnl.so.3 of the ``onednn-cpu-gomp`` wheel and resolves the
+functions below, so fxquant builds and runs without it (the onednn backend then calls the torch ops). That library
+needs ``libgomp.so.1``, the soname of torch's own OpenMP runtime: loaded after torch, both share one thread pool and
+``torch.set_num_threads`` governs oneDNN's threads too (fxquant/kernels/onednn_direct.py checks).
+
+The declarations are oneDNN's v3 C API (dnnl.h, Apache-2.0), reduced to what is used; the enum values are the same
+in oneDNN 3.2 and 3.12 (checked against both headers) and the v3 ABI is stable within the major version.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define DNNL_MAX_NDIMS 12
+#define dnnl_success 0
+#define dnnl_undef_type 0
+#define dnnl_f32 3
+#define dnnl_s32 4
+#define dnnl_s8 5
+#define dnnl_u8 6
+#define dnnl_format_tag_any 1
+#define dnnl_forward_inference 96
+#define dnnl_convolution_direct 1
+#define dnnl_query_weights_md 131
+#define dnnl_query_scratchpad_md 136
+#define dnnl_scratchpad_mode_user 1
+#define dnnl_cpu 1
+#define dnnl_stream_default_flags 1
+#define DNNL_ARG_SRC 1
+#define DNNL_ARG_DST 17
+#define DNNL_ARG_WEIGHTS 33
+#define DNNL_ARG_BIAS 41
+#define DNNL_ARG_SCRATCHPAD 80
+#define DNNL_ARG_ATTR_SCALES 4096
+#define DNNL_ARG_ATTR_ZERO_POINTS 8192
+#define DNNL_MEMORY_ALLOCATE ((void *)(size_t)-1)
+
+typedef int dnnl_status_t;
+typedef void *handle_t;
+typedef const void *chandle_t;
+typedef struct { int arg; handle_t memory; } dnnl_exec_arg_t;
+typedef struct { int major, minor, patch; const char *hash; unsigned cpu_runtime, gpu_runtime; } dnnl_version_t;
+
+static struct {
+    dnnl_status_t (*engine_create)(handle_t *, int, size_t);
+    dnnl_status_t (*stream_create)(handle_t *, handle_t, unsigned);
+    dnnl_status_t (*memory_desc_create_with_strides)(handle_t *, int, const int64_t *, int, const int64_t *);
+    dnnl_status_t (*memory_desc_create_with_tag)(handle_t *, int, const int64_t *, int, int);
+    dnnl_status_t (*memory_desc_destroy)(handle_t);
+    size_t (*memory_desc_get_size)(chandle_t);
+    dnnl_status_t (*memory_create)(handle_t *, chandle_t, handle_t, void *);
+    dnnl_status_t (*memory_set_data_handle)(handle_t, void *);
+    dnnl_status_t (*memory_destroy)(handle_t);
+    dnnl_status_t (*primitive_attr_create)(handle_t *);
+    dnnl_status_t (*primitive_attr_destroy)(handle_t);
+    dnnl_status_t (*primitive_attr_set_scratchpad_mode)(handle_t, int);
+    dnnl_status_t (*primitive_attr_set_scales_mask)(handle_t, int, int);
+    dnnl_status_t (*primitive_attr_set_zero_points_mask)(handle_t, int, int);
+    dnnl_status_t (*primitive_attr_set_post_ops)(handle_t, chandle_t);
+    dnnl_status_t (*post_ops_create)(handle_t *);
+    dnnl_status_t (*post_ops_destroy)(handle_t);
+    dnnl_status_t (*post_ops_append_sum)(handle_t, float, int32_t, int);
+    dnnl_status_t (*post_ops_append_eltwise)(handle_t, int, float, float);
+    dnnl_status_t (*convolution_forward_primitive_desc_create)(handle_t *, handle_t, int, int, chandle_t, chandle_t,
+                                                              chandle_t, chandle_t, const int64_t *, const int64_t *,
+                                                              const int64_t *, const int64_t *, chandle_t);
+    dnnl_status_t (*matmul_primitive_desc_create)(handle_t *, handle_t, chandle_t, chandle_t, chandle_t, chandle_t,
+                                                 chandle_t);
+    dnnl_status_t (*reorder_primitive_desc_create)(handle_t *, chandle_t, handle_t, chandle_t, handle_t, chandle_t);
+    chandle_t (*primitive_desc_query_md)(chandle_t, int, int);
+    dnnl_status_t (*primitive_desc_destroy)(handle_t);
+    dnnl_status_t (*primitive_create)(handle_t *, chandle_t);
+    dnnl_status_t (*primitive_execute)(chandle_t, handle_t, int, const dnnl_exec_arg_t *);
+    dnnl_status_t (*primitive_destroy)(handle_t);
+    const dnnl_version_t *(*version)(void);
+} api;
+
+static handle_t engine, stream;
+
+#define SYMBOL(field, name) {(void **)&api.field, name}
+static const struct { void **slot; const char *name; } symbols[] = {
+    SYMBOL(engine_create, "dnnl_engine_create"),
+    SYMBOL(stream_create, "dnnl_stream_create"),
+    SYMBOL(memory_desc_create_with_strides, "dnnl_memory_desc_create_with_strides"),
+    SYMBOL(memory_desc_create_with_tag, "dnnl_memory_desc_create_with_tag"),
+    SYMBOL(memory_desc_destroy, "dnnl_memory_desc_destroy"),
+    SYMBOL(memory_desc_get_size, "dnnl_memory_desc_get_size"),
+    SYMBOL(memory_create, "dnnl_memory_create"),
+    SYMBOL(memory_set_data_handle, "dnnl_memory_set_data_handle"),
+    SYMBOL(memory_destroy, "dnnl_memory_destroy"),
+    SYMBOL(primitive_attr_create, "dnnl_primitive_attr_create"),
+    SYMBOL(primitive_attr_destroy, "dnnl_primitive_attr_destroy"),
+    SYMBOL(primitive_attr_set_scratchpad_mode, "dnnl_primitive_attr_set_scratchpad_mode"),
+    SYMBOL(primitive_attr_set_scales_mask, "dnnl_primitive_attr_set_scales_mask"),
+    SYMBOL(primitive_attr_set_zero_points_mask, "dnnl_primitive_attr_set_zero_points_mask"),
+    SYMBOL(primitive_attr_set_post_ops, "dnnl_primitive_attr_set_post_ops"),
+    SYMBOL(post_ops_create, "dnnl_post_ops_create"),
+    SYMBOL(post_ops_destroy, "dnnl_post_ops_destroy"),
+    SYMBOL(post_ops_append_sum, "dnnl_post_ops_append_sum"),
+    SYMBOL(post_ops_append_eltwise, "dnnl_post_ops_append_eltwise"),
+    SYMBOL(convolution_forward_primitive_desc_create, "dnnl_convolution_forward_primitive_desc_create"),
+    SYMBOL(matmul_primitive_desc_create, "dnnl_matmul_primitive_desc_create"),
+    SYMBOL(reorder_primitive_desc_create, "dnnl_reorder_primitive_desc_create"),
+    SYMBOL(primitive_desc_query_md, "dnnl_primitive_desc_query_md"),
+    SYMBOL(primitive_desc_destroy, "dnnl_primitive_desc_destroy"),
+    SYMBOL(primitive_create, "dnnl_primitive_create"),
+    SYMBOL(primitive_execute, "dnnl_primitive_execute"),
+    SYMBOL(primitive_destroy, "dnnl_primitive_destroy"),
+    SYMBOL(version, "dnnl_version"),
+};
+
+static PyObject *dnnl_load(PyObject *self, PyObject *args) {
+    const char *path;
+    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
+    if (engine == NULL) {
+        void *library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+        if (library == NULL) return PyErr_Format(PyExc_OSError, "cannot load %s: %s", path, dlerror());
+        for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
+            *symbols[i].slot = dlsym(library, symbols[i].name);
+            if (*symbols[i].slot == NULL) {
+                dlclose(library);
+                return PyErr_Format(PyExc_OSError, "%s has no %s (not oneDNN v3?)", path, symbols[i].name);
+            }
+        }
+        const dnnl_version_t *version = api.version();
+        if (version->major != 3) {
+            dlclose(library);
+            return PyErr_Format(PyExc_OSError, "%s is oneDNN %d.%d; the v3 API is needed", path, version->major,
+                                version->minor);
+        }
+        handle_t new_engine, new_stream;
+        if (api.engine_create(&new_engine, dnnl_cpu, 0) != dnnl_success ||
+            api.stream_create(&new_stream, new_engine, dnnl_stream_default_flags) != dnnl_success) {
+            dlclose(library);
+            return PyErr_Format(PyExc_OSError, "%s: no CPU engine", path);
+        }
+        engine = new_engine, stream = new_stream;  /* the library stays loaded for the process */
+    }
+    const dnnl_version_t *version = api.version();
+    return Py_BuildValue("(iii)", version->major, version->minor, version->patch);
+}
+
+/* Memories set for every call: the ones a running call owns (see ``busy``). */
+typedef struct { handle_t src, dst, scratchpad; } CallMemories;
+
+typedef struct {
+    PyObject_HEAD
+    handle_t primitive;
+    handle_t src_md, dst_md, scratchpad_md;  /* for the memories of calls that overlap another (threads) */
+    handle_t owned[8];                       /* weights, bias, scales and zero points: bound once */
+    int n_owned;
+    CallMemories memories;
+    void *scratchpad;
+    dnnl_exec_arg_t args[16];
+    int nargs, src_arg, dst_arg, scratchpad_arg;  /* indices in ``args`` of the per-call memories (-1: none) */
+    float *constants;                             /* scales and bias the owned memories point to */
+    int busy;                                     /* a call is using ``memories``: another makes its own */
+} Primitive;
+
+static int dims_of(PyObject *sequence, int64_t out[DNNL_MAX_NDIMS]) {
+    PyObject *fast = PySequence_Fast(sequence, "dims must be a sequence of ints");
+    if (fast == NULL) return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    if (n > DNNL_MAX_NDIMS) {
+        Py_DECREF(fast);
+        PyErr_SetString(PyExc_ValueError, "too many dims");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) out[i] = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    Py_DECREF(fast);
+    return PyErr_Occurred() ? -1 : (int)n;
+}
+
+static void contiguous_strides(int ndims, const int64_t *dims, int64_t *strides) {
+    int64_t stride = 1;
+    for (int i = ndims - 1; i >= 0; i--) strides[i] = stride, stride *= dims[i];
+}
+
+#define CHECK(call, what)                                                                         \
+    do {                                                                                          \
+        dnnl_status_t status_ = (call);                                                           \
+        if (status_ != dnnl_success) {                                                            \
+            PyErr_Format(PyExc_RuntimeError, "oneDNN %s failed (status %d)", what, (int)status_); \
+            goto fail;                                                                            \
+        }                                                                                         \
+    } while (0)
+
+static handle_t vector_md(int64_t n, int data_type) {
+    int64_t dims[1] = {n}, strides[1] = {1};
+    handle_t md = NULL;
+    return api.memory_desc_create_with_strides(&md, 1, dims, data_type, strides) == dnnl_success ? md : NULL;
+}
+
+/* A memory over ``data`` (bound for good) added to the call's arguments. */
+static int bind_constant(Primitive *p, int arg, int64_t n, int data_type, void *data) {
+    handle_t md = vector_md(n, data_type), memory = NULL;
+    if (md == NULL || api.memory_create(&memory, md, engine, data) != dnnl_success) {
+        if (md) api.memory_desc_destroy(md);
+        PyErr_SetString(PyExc_RuntimeError, "oneDNN memory_create failed");
+        return -1;
+    }
+    api.memory_desc_destroy(md);
+    p->owned[p->n_owned++] = memory;
+    p->args[p->nargs++] = (dnnl_exec_arg_t){arg, memory};
+    return 0;
+}
+
+static void Primitive_dealloc(Primitive *p) {
+    if (p->primitive) api.primitive_destroy(p->primitive);
+    handle_t *per_call[] = {&p->memories.src, &p->memories.dst, &p->memories.scratchpad};
+    for (int i = 0; i < 3; i++)
+        if (*per_call[i]) api.memory_destroy(*per_call[i]);
+    for (int i = 0; i < p->n_owned; i++) api.memory_destroy(p->owned[i]);
+    handle_t *mds[] = {&p->src_md, &p->dst_md, &p->scratchpad_md};
+    for (int i = 0; i < 3; i++)
+        if (*mds[i]) api.memory_desc_destroy(*mds[i]);
+    free(p->scratchpad);
+    free(p->constants);
+    Py_TYPE(p)->tp_free((PyObject *)p);
+}
+
+static int make_memories(Primitive *p, CallMemories *m) {
+    memset(m, 0, sizeof(*m));
+    if (api.memory_create(&m->src, p->src_md, engine, NULL) != dnnl_success ||
+        api.memory_create(&m->dst, p->dst_md, engine, NULL) != dnnl_success ||
+        (p->scratchpad_md && api.memory_create(&m->scratchpad, p->scratchpad_md, engine, NULL) != dnnl_success))
+        return -1;
+    return 0;
+}
+
+static void free_memories(CallMemories *m) {
+    if (m->src) api.memory_destroy(m->src);
+    if (m->dst) api.memory_destroy(m->dst);
+    if (m->scratchpad) api.memory_destroy(m->scratchpad);
+}
+
+/* Primitive(weight_ptr, weight_dims, src_dims, src_strides, dst_dims, dst_strides, dst_type, weight_scales, bias,
+             src_scale, src_zero_point, dst_scale, dst_zero_point, conv, eltwise, sum)
+   weight_dims: plain int8 weight, row-major: (O, I) for a Linear, (O, I, k...) or (G, O/G, I/G, k...) for a conv;
+   weight_scales / bias: float32 bytes (bias may be None); dst_type: "u8" or "f32" (no dst scale/zero point);
+   conv: None for a Linear, else (strides, dilations (oneDNN's: 0 = dense), padding_l, padding_r);
+   eltwise: None or (algorithm, alpha, beta); sum: None or (scale, zero_point): dst += scale * (dst_before - zp). */
+static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    PyObject *weight_address, *weight_dims_seq, *src_dims_seq, *src_strides_seq, *dst_dims_seq, *dst_strides_seq;
+    PyObject *bias_obj, *conv, *eltwise, *sum;
+    const char *dst_type;
+    Py_buffer weight_scales;
+    float src_scale, dst_scale;
+    int src_zp, dst_zp;
+    if (!PyArg_ParseTuple(args, "OOOOOOsy*OfifiOOO", &weight_address, &weight_dims_seq, &src_dims_seq,
+                          &src_strides_seq, &dst_dims_seq, &dst_strides_seq, &dst_type, &weight_scales, &bias_obj,
+                          &src_scale, &src_zp, &dst_scale, &dst_zp, &conv, &eltwise, &sum))
+        return NULL;
+    if (engine == NULL) {
+        PyBuffer_Release(&weight_scales);
+        PyErr_SetString(PyExc_RuntimeError, "oneDNN is not loaded (call load() first)");
+        return NULL;
+    }
+    int64_t weight_dims[DNNL_MAX_NDIMS], weight_strides[DNNL_MAX_NDIMS], src_dims[DNNL_MAX_NDIMS];
+    int64_t src_strides[DNNL_MAX_NDIMS], dst_dims[DNNL_MAX_NDIMS], dst_strides[DNNL_MAX_NDIMS];
+    int64_t conv_strides[DNNL_MAX_NDIMS], dilations[DNNL_MAX_NDIMS], pad_l[DNNL_MAX_NDIMS], pad_r[DNNL_MAX_NDIMS];
+    Primitive *p = (Primitive *)type->tp_alloc(type, 0);
+    handle_t weight_md = NULL, bias_md = NULL, attr = NULL, post_ops = NULL, pd = NULL, plain_md = NULL;
+    handle_t plain = NULL, reorder_pd = NULL, reorder = NULL;
+    Py_buffer bias = {0};
+    if (p == NULL) {
+        PyBuffer_Release(&weight_scales);
+        return NULL;
+    }
+    int weight_ndims = dims_of(weight_dims_seq, weight_dims), src_ndims = dims_of(src_dims_seq, src_dims);
+    int dst_ndims = dims_of(dst_dims_seq, dst_dims);
+    if (weight_ndims < 0 || src_ndims < 0 || dst_ndims < 0 || dims_of(src_strides_seq, src_strides) != src_ndims ||
+        dims_of(dst_strides_seq, dst_strides) != dst_ndims)
+        goto fail;
+    void *weight_data = PyLong_AsVoidPtr(weight_address);
+    if (PyErr_Occurred()) goto fail;
+    int64_t out_channels = dst_dims[1], n_scales = (int64_t)(weight_scales.len / sizeof(float));
+    if (bias_obj != Py_None && PyObject_GetBuffer(bias_obj, &bias, PyBUF_SIMPLE) < 0) goto fail;
+    int float_dst = strcmp(dst_type, "f32") == 0;
+    int has_src_zp = src_zp != 0, has_dst_zp = !float_dst && dst_zp != 0;
+
+    /* scales (src, weights, dst) then the bias, owned by the primitive */
+    p->constants = malloc(sizeof(float) * (size_t)(2 + n_scales + out_channels) + 2 * sizeof(int32_t));
+    if (p->constants == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    float *c = p->constants;
+    c[0] = src_scale, c[1] = dst_scale;
+    memcpy(c + 2, weight_scales.buf, sizeof(float) * (size_t)n_scales);
+    if (bias.buf) memcpy(c + 2 + n_scales, bias.buf, sizeof(float) * (size_t)out_channels);
+    int32_t *zero_points = (int32_t *)(c + 2 + n_scales + out_channels);
+    zero_points[0] = src_zp, zero_points[1] = dst_zp;
+
+    CHECK(api.memory_desc_create_with_strides(&p->src_md, src_ndims, src_dims, dnnl_u8, src_strides), "src md");
+    CHECK(api.memory_desc_create_with_strides(&p->dst_md, dst_ndims, dst_dims, float_dst ? dnnl_f32 : dnnl_u8,
+                                              dst_strides), "dst md");
+    int matmul = conv == Py_None;
+    contiguous_strides(weight_ndims, weight_dims, weight_strides);
+    if (matmul) {  /* a Linear's (O, I) weight is matmul's (K, N) = (I, O) operand, transposed */
+        int64_t o = weight_dims[0], o_stride = weight_strides[0];
+        weight_dims[0] = weight_dims[1], weight_strides[0] = weight_strides[1];
+        weight_dims[1] = o, weight_strides[1] = o_stride;
+    }
+    CHECK(api.memory_desc_create_with_tag(&weight_md, weight_ndims, weight_dims, dnnl_s8, dnnl_format_tag_any),
+          "weights md");
+    if (bias.buf) {
+        int64_t bias_dims[2] = {1, out_channels}, bias_strides[2] = {out_channels, 1};
+        CHECK(api.memory_desc_create_with_strides(&bias_md, matmul ? 2 : 1, matmul ? bias_dims : bias_dims + 1,
+                                                  dnnl_f32, matmul ? bias_strides : bias_strides + 1), "bias md");
+    }
+    CHECK(api.primitive_attr_create(&attr), "attr");
+    CHECK(api.primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user), "scratchpad mode");
+    int grouped = conv != Py_None && weight_ndims == src_ndims + 1;
+    CHECK(api.primitive_attr_set_scales_mask(attr, DNNL_ARG_SRC, 0), "src scales");
+    CHECK(api.primitive_attr_set_scales_mask(attr, DNNL_ARG_WEIGHTS, n_scales > 1 ? (matmul ? 2 : grouped ? 3 : 1) : 0),
+          "weight scales");
+    if (!float_dst) CHECK(api.primitive_attr_set_scales_mask(attr, DNNL_ARG_DST, 0), "dst scales");
+    if (has_src_zp) CHECK(api.primitive_attr_set_zero_points_mask(attr, DNNL_ARG_SRC, 0), "src zero point");
+    if (has_dst_zp) CHECK(api.primitive_attr_set_zero_points_mask(attr, DNNL_ARG_DST, 0), "dst zero point");
+    CHECK(api.post_ops_create(&post_ops), "post-ops");
+    if (sum != Py_None) {
+        float sum_scale;
+        int sum_zp;
+        if (!PyArg_ParseTuple(sum, "fi", &sum_scale, &sum_zp)) goto fail;
+        CHECK(api.post_ops_append_sum(post_ops, sum_scale, sum_zp, dnnl_undef_type), "sum post-op");
+    }
+    if (eltwise != Py_None) {
+        int algorithm;
+        float alpha, beta;
+        if (!PyArg_ParseTuple(eltwise, "iff", &algorithm, &alpha, &beta)) goto fail;
+        CHECK(api.post_ops_append_eltwise(post_ops, algorithm, alpha, beta), "eltwise post-op");
+    }
+    CHECK(api.primitive_attr_set_post_ops(attr, post_ops), "set post-ops");
+
+    if (conv != Py_None) {
+        PyObject *s, *d, *l, *r;
+        int spatial = src_ndims - 2;
+        if (!PyArg_ParseTuple(conv, "OOOO", &s, &d, &l, &r)) goto fail;
+        if (dims_of(s, conv_strides) != spatial || dims_of(d, dilations) != spatial || dims_of(l, pad_l) != spatial ||
+            dims_of(r, pad_r) != spatial) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "conv geometry does not match the input");
+            goto fail;
+        }
+        CHECK(api.convolution_forward_primitive_desc_create(&pd, engine, dnnl_forward_inference,
+                                                            dnnl_convolution_direct, p->src_md, weight_md, bias_md,
+                                                            p->dst_md, conv_strides, dilations, pad_l, pad_r, attr),
+              "convolution descriptor");
+    } else {
+        CHECK(api.matmul_primitive_desc_create(&pd, engine, p->src_md, weight_md, bias_md, p->dst_md, attr),
+              "matmul descriptor");
+    }
+    CHECK(api.primitive_create(&p->primitive, pd), "primitive");
+
+    /* the weights, reordered once into the layout the primitive chose (with the zero-point compensation it needs) */
+    chandle_t packed_md = api.primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+    handle_t packed = NULL;
+    CHECK(api.memory_create(&packed, packed_md, engine, DNNL_MEMORY_ALLOCATE), "weights memory");
+    p->owned[p->n_owned++] = packed;
+    CHECK(api.memory_desc_create_with_strides(&plain_md, weight_ndims, weight_dims, dnnl_s8, weight_strides),
+          "plain weights md");
+    CHECK(api.memory_create(&plain, plain_md, engine, weight_data), "plain weights memory");
+    CHECK(api.reorder_primitive_desc_create(&reorder_pd, plain_md, engine, packed_md, engine, NULL), "reorder");
+    CHECK(api.primitive_create(&reorder, reorder_pd), "reorder primitive");
+    dnnl_exec_arg_t reorder_args[2] = {{DNNL_ARG_SRC, plain}, {DNNL_ARG_DST, packed}};
+    CHECK(api.primitive_execute(reorder, stream, 2, reorder_args), "weights reorder");
+
+    chandle_t scratchpad_md = api.primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
+    size_t scratchpad_size = scratchpad_md ? api.memory_desc_get_size(scratchpad_md) : 0;
+    if (scratchpad_size > 0) {
+        p->scratchpad_md = vector_md((int64_t)scratchpad_size, dnnl_u8);
+        p->scratchpad = malloc(scratchpad_size);
+        if (p->scratchpad_md == NULL || p->scratchpad == NULL) CHECK(-1, "scratchpad");
+    }
+    if (make_memories(p, &p->memories) < 0) CHECK(-1, "call memories");
+    p->args[p->nargs++] = (dnnl_exec_arg_t){DNNL_ARG_WEIGHTS, packed};
+    p->src_arg = p->nargs, p->args[p->nargs++] = (dnnl_exec_arg_t){DNNL_ARG_SRC, p->memories.src};
+    p->dst_arg = p->nargs, p->args[p->nargs++] = (dnnl_exec_arg_t){DNNL_ARG_DST, p->memories.dst};
+    p->scratchpad_arg = -1;
+    if (p->scratchpad_md) {
+        api.memory_set_data_handle(p->memories.scratchpad, p->scratchpad);
+        p->scratchpad_arg = p->nargs, p->args[p->nargs++] = (dnnl_exec_arg_t){DNNL_ARG_SCRATCHPAD,
+                                                                              p->memories.scratchpad};
+    }
+    if (bind_constant(p, DNNL_ARG_ATTR_SCALES | DNNL_ARG_SRC, 1, dnnl_f32, c) < 0 ||
+        bind_constant(p, DNNL_ARG_ATTR_SCALES | DNNL_ARG_WEIGHTS, n_scales, dnnl_f32, c + 2) < 0 ||
+        (!float_dst && bind_constant(p, DNNL_ARG_ATTR_SCALES | DNNL_ARG_DST, 1, dnnl_f32, c + 1) < 0) ||
+        (bias.buf && bind_constant(p, DNNL_ARG_BIAS, out_channels, dnnl_f32, c + 2 + n_scales) < 0) ||
+        (has_src_zp && bind_constant(p, DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_SRC, 1, dnnl_s32, zero_points) < 0) ||
+        (has_dst_zp && bind_constant(p, DNNL_ARG_ATTR_ZERO_POINTS | DNNL_ARG_DST, 1, dnnl_s32, zero_points + 1) < 0))
+        goto fail;
+    goto done;
+fail:
+    Py_CLEAR(p);
+done:
+    if (reorder) api.primitive_destroy(reorder);
+    if (reorder_pd) api.primitive_desc_destroy(reorder_pd);
+    if (plain) api.memory_destroy(plain);
+    if (plain_md) api.memory_desc_destroy(plain_md);
+    if (pd) api.primitive_desc_destroy(pd);
+    if (post_ops) api.post_ops_destroy(post_ops);
+    if (attr) api.primitive_attr_destroy(attr);
+    if (bias_md) api.memory_desc_destroy(bias_md);
+    if (weight_md) api.memory_desc_destroy(weight_md);
+    if (bias.obj) PyBuffer_Release(&bias);
+    PyBuffer_Release(&weight_scales);
+    return (PyObject *)p;
+}
+
+/* run(src_address, dst_address): one execution. ``dst`` holds the accumulator when the primitive sums. The GIL is
+   released; a call overlapping another on the same primitive (two Python threads) uses memories of its own. */
+static PyObject *Primitive_run(Primitive *p, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "run(src_address, dst_address)");
+        return NULL;
+    }
+    void *src = PyLong_AsVoidPtr(args[0]), *dst = PyLong_AsVoidPtr(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    dnnl_status_t status;
+    if (__atomic_exchange_n(&p->busy, 1, __ATOMIC_ACQUIRE) == 0) {
+        api.memory_set_data_handle(p->memories.src, src);
+        api.memory_set_data_handle(p->memories.dst, dst);
+        Py_BEGIN_ALLOW_THREADS
+        status = api.primitive_execute(p->primitive, stream, p->nargs, p->args);
+        Py_END_ALLOW_THREADS
+        __atomic_store_n(&p->busy, 0, __ATOMIC_RELEASE);
+    } else {
+        CallMemories own;
+        dnnl_exec_arg_t call_args[16];
+        void *scratchpad = p->scratchpad_md ? malloc(api.memory_desc_get_size(p->scratchpad_md)) : NULL;
+        if (make_memories(p, &own) < 0 || (p->scratchpad_md && scratchpad == NULL)) {
+            free_memories(&own);
+            free(scratchpad);
+            return PyErr_NoMemory();
+        }
+        memcpy(call_args, p->args, sizeof(call_args));
+        api.memory_set_data_handle(own.src, src);
+        api.memory_set_data_handle(own.dst, dst);
+        call_args[p->src_arg].memory = own.src, call_args[p->dst_arg].memory = own.dst;
+        if (p->scratchpad_arg >= 0) {
+            api.memory_set_data_handle(own.scratchpad, scratchpad);
+            call_args[p->scratchpad_arg].memory = own.scratchpad;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        status = api.primitive_execute(p->primitive, stream, p->nargs, call_args);
+        Py_END_ALLOW_THREADS
+        free_memories(&own);
+        free(scratchpad);
+    }
+    if (status != dnnl_success) return PyErr_Format(PyExc_RuntimeError, "oneDNN execute failed (status %d)", status);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Primitive_methods[] = {
+    {"run", (PyCFunction)(void (*)(void))Primitive_run, METH_FASTCALL, "run(src_address, dst_address)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject PrimitiveType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fxquant._dnnl.Primitive",
+    .tp_basicsize = sizeof(Primitive),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A oneDNN int8 convolution or matmul (a Linear), built for one input shape.",
+    .tp_new = Primitive_new,
+    .tp_dealloc = (destructor)Primitive_dealloc,
+    .tp_methods = Primitive_methods,
+};
+
+static PyMethodDef module_methods[] = {
+    {"load", dnnl_load, METH_VARARGS, "load(path) -> (major, minor, patch): dlopen oneDNN v3 and create an engine"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dnnl", "Direct oneDNN int8 primitives.", -1,
+                                    module_methods};
+
+PyMODINIT_FUNC PyInit__dnnl(void) {
+    if (PyType_Ready(&PrimitiveType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&PrimitiveType);
+    if (PyModule_AddObject(m, "Primitive", (PyObject *)&PrimitiveType) < 0) {
+        Py_DECREF(&PrimitiveType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,173 @@
+"""oneDNN int8 primitives called directly (``fxquant/_dnnl.c``): built once per layer, input shape and thread count.
+
+torch 2.13's plain-tensor ops rebuild oneDNN's primitive descriptor, scale and zero-point memories and scratchpad on
+every call, ~50-100 us around kernels that take ~10-100 us at batch 1 (one thread: a 16->16 3x3 conv on 8x8 runs in
+6.7 us here against 61.5 us through ``onednn::qconv_pointwise``; 64->64 on 56x56: 112 vs 157 us; at batch 32 the
+two are the same kernel, 3.1 ms). The results are bit-identical to the ops' (tests/kernels/test_onednn_direct.py):
+the same oneDNN algorithms, scales, zero points and post-ops.
+
+The library comes from Intel's ``onednn-cpu-gomp`` wheel (the ``fxquant[onednn]`` extra; it installs
+``libdnnl.so.3`` under ``sys.prefix/lib``) or from ``FXQUANT_DNNL_LIBRARY`` (a path; ``0`` turns the direct path
+off). It runs on torch's own OpenMP runtime (``libgomp.so.1``, loaded with torch), so ``torch.set_num_threads``
+governs it; a process where it would get a second runtime keeps the torch ops. Without it, the onednn backend calls
+the torch ops: same results, more time per call.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import functools
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from fxquant.kernels.base import ConvSpec
+
+_dnnl: ModuleType | None
+try:
+    from fxquant import _dnnl
+except ImportError:  # built without a C compiler
+    _dnnl = None
+
+LIBRARY_ENV = "FXQUANT_DNNL_LIBRARY"
+_ELTWISE = {"relu": (32, 0.0, 0.0), "silu": (44, 1.0, 0.0), "hardswish": (52, 1.0 / 6.0, 0.5),
+            "gelu": (49, 0.0, 0.0), "gelu_tanh": (43, 0.0, 0.0)}  # dnnl_eltwise_* (oneDNN v3) and alpha, beta
+_MEMORY_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+Output = tuple[float, int, torch.dtype]  # (scale, zero point, dtype) of a result; float32 results: (1.0, 0, float32)
+
+
+def _candidates() -> list[str]:
+    configured = os.environ.get(LIBRARY_ENV)
+    if configured is not None:
+        return [] if configured in ("", "0") else [configured]
+    found = ctypes.util.find_library("dnnl")
+    return [str(Path(sys.prefix, "lib", "libdnnl.so.3")), *([found] if found else [])]
+
+
+def _gomp_runtimes() -> set[str]:
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line.split()[-1] for line in maps if "libgomp" in line.rsplit("/", 1)[-1]}
+    except OSError:  # not Linux: no way to check, trust the soname
+        return set()
+
+
+@functools.cache
+def status() -> str:
+    """Which oneDNN the onednn backend calls directly, or why it calls the torch ops (``fxquant info`` prints it)."""
+    if _dnnl is None:
+        return "off: fxquant was built without its C extension"
+    if os.environ.get(LIBRARY_ENV) in ("", "0"):
+        return f"off: {LIBRARY_ENV}={os.environ[LIBRARY_ENV]}"
+    reasons = []
+    for path in _candidates():
+        runtimes = _gomp_runtimes()
+        try:
+            major, minor, patch = _dnnl.load(path)
+        except OSError as error:
+            reasons.append(str(error))
+            continue
+        if len(_gomp_runtimes() - runtimes) > 0:
+            return f"off: {path} brought a second OpenMP runtime (threads would not follow torch.set_num_threads)"
+        return f"oneDNN {major}.{minor}.{patch} from {path}"
+    return "off: " + ("; ".join(reasons) or "no libdnnl.so.3 (pip install 'fxquant[onednn]')")
+
+
+def available() -> bool:
+    """Whether layers run on directly called oneDNN primitives."""
+    return status().startswith("oneDNN")
+
+
+def _strides(shape: tuple[int, ...], memory_format: torch.memory_format) -> list[int]:
+    return list(torch.empty(shape, dtype=torch.uint8, device="meta", memory_format=memory_format).stride())
+
+
+def _uint8_input(a: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+    """``a`` laid out as the primitive reads it; the primitive reads raw bytes, so another dtype is refused here."""
+    if a.dtype is not torch.uint8:
+        raise TypeError(f"oneDNN int8 layers take uint8 activations, got {a.dtype}")
+    return a if a.is_contiguous(memory_format=memory_format) else a.contiguous(memory_format=memory_format)
+
+
+def _eltwise(post_op: str) -> tuple[int, float, float] | None:
+    return None if post_op == "none" else _ELTWISE[post_op]
+
+
+def _primitive(weight: torch.Tensor, weight_dims: list[int], src_dims: list[int], src_strides: list[int],
+               dst_dims: list[int], dst_strides: list[int], scales: torch.Tensor, bias: torch.Tensor | None,
+               x_qp: tuple[float, int], output: Output, geometry: tuple[list[int], ...] | None, post_op: str,
+               accum_qp: tuple[float, int] | None) -> Any:
+    """A ``_dnnl.Primitive``, or None where this oneDNN has no implementation for it (the caller then runs the
+    torch op, whose newer oneDNN may have one)."""
+    assert _dnnl is not None
+    try:
+        return _dnnl.Primitive(
+            weight.data_ptr(), weight_dims, src_dims, src_strides, dst_dims, dst_strides,
+            "f32" if output[2] == torch.float32 else "u8", scales.to(torch.float32).numpy().tobytes(),
+            None if bias is None else bias.to(torch.float32).numpy().tobytes(), *x_qp, *output[:2], geometry,
+            _eltwise(post_op), accum_qp)
+    except RuntimeError:
+        return None
+
+
+def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec,
+         shape: tuple[int, ...], out_shape: tuple[int, ...], x_qp: tuple[float, int], output: Output, post_op: str,
+         accum_qp: tuple[float, int] | None = None) -> Callable[..., torch.Tensor] | None:
+    """A call ``f(a)`` (or ``f(a, accum)`` with ``accum_qp``: the sum post-op) running this conv on channels-last
+    uint8 inputs of ``shape``; ``weight``: plain int8 (O, I/groups, k...); ``output``: the result's (scale, zero
+    point, dtype); ``post_op``: a name in ``_ELTWISE`` or ``"none"``, applied to the float result. None where this
+    oneDNN cannot run it."""
+    memory_format = _MEMORY_FORMATS[len(shape)]
+    out_strides = _strides(out_shape, memory_format)
+    dims = list(weight.shape)
+    if spec.groups > 1:
+        dims = [spec.groups, dims[0] // spec.groups, *dims[1:]]
+    geometry = (list(spec.stride), [d - 1 for d in spec.dilation], list(spec.padding), list(spec.padding))
+    primitive = _primitive(weight, dims, list(shape), _strides(shape, memory_format), list(out_shape), out_strides,
+                           scales, bias, x_qp, output, geometry, post_op, accum_qp)
+    if primitive is None:
+        return None
+    run, empty, dtype = primitive.run, torch.empty_strided, output[2]
+
+    def call(a: torch.Tensor) -> torch.Tensor:
+        a = _uint8_input(a, memory_format)
+        out = empty(out_shape, out_strides, dtype=dtype)
+        run(a.data_ptr(), out.data_ptr())
+        return out
+
+    def call_sum(a: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
+        # oneDNN reads the accumulator from the destination and overwrites it, as the torch op does (the graph copies
+        # an accumulator that is read later: QuantizedConvAdd2d.clone_accum)
+        a, out = _uint8_input(a, memory_format), _uint8_input(accum, memory_format)  # held: run() reads them
+        run(a.data_ptr(), out.data_ptr())
+        return out
+
+    return call if accum_qp is None else call_sum
+
+
+def linear(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, ...],
+           x_qp: tuple[float, int], output: Output, post_op: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A call ``f(a)`` running this Linear on uint8 inputs of ``shape`` (..., in_features); arguments and None as
+    ``conv``."""
+    rows, (out_features, in_features) = shape[:-1], weight.shape
+    m = 1
+    for size in rows:
+        m *= size
+    primitive = _primitive(weight, [out_features, in_features], [m, in_features], [in_features, 1],
+                           [m, out_features], [out_features, 1], scales, bias, x_qp, output, None, post_op, None)
+    if primitive is None:
+        return None
+    run, empty, dtype, out_shape = primitive.run, torch.empty, output[2], (*rows, out_features)
+
+    def call(a: torch.Tensor) -> torch.Tensor:
+        a = _uint8_input(a, torch.contiguous_format)
+        out = empty(out_shape, dtype=dtype)
+        run(a.data_ptr(), out.data_ptr())
+        return out
+
+    return call
