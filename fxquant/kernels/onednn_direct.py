@@ -59,7 +59,8 @@ def _gomp_runtimes() -> set[str]:
 
 @functools.cache
 def status() -> str:
-    """Which oneDNN the onednn backend calls directly, or why it calls the torch ops (``fxquant info`` prints it)."""
+    """Which oneDNN the onednn backend calls directly, or why it calls the torch ops (reports record it under
+    ``environment.onednn``)."""
     if _dnnl is None:
         return "off: fxquant was built without its C extension"
     if os.environ.get(LIBRARY_ENV) in ("", "0"):
