@@ -15,6 +15,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from fxquant import runner
 from fxquant.auto import FAMILIES, convert_auto, family_of, relower_layers
 from fxquant.calibration import calibrate, observers_of
 from fxquant.calibration.memory_format import runs_channels_last
@@ -213,7 +214,7 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics,
                                  layer_backends=choices, keep_float=tuple(keep_float))
-    return gm
+    return runner.install(gm)
 
 
 def _replay_auto(final: fx.GraphModule, state: QuantState, choices: dict[str, str]

@@ -1,0 +1,164 @@
+"""A converted model's forward without the per-node costs of the code torch.fx generates.
+
+The generated ``forward`` reaches every layer through nested ``getattr`` calls on modules (``nn.Module.__getattr__``,
+~0.5 us each, four or five per layer of a torchvision-style net) and ``nn.Module.__call__`` (~2 us), around INT8
+kernels that take 5-50 us at batch 1. :class:`GraphRunner` walks the same graph from a list made once: each node's
+callable and argument slots resolved, each value dropped after its last reader (as the generated code does), and
+layers called through ``forward`` directly. MobileNetV2 at batch 1 on one thread: 3.3 against 3.9 ms a call.
+
+It behaves as the generated code does, or steps aside:
+
+* hooks on a layer (or global module hooks) and ``torch.jit.trace`` take the ordinary ``module(...)`` call;
+* a graph changed and recompiled (``gm.recompile()`` makes new code) is walked anew;
+* keyword arguments and defaults follow the placeholders, like the generated signature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import fx, nn
+from torch.fx.node import map_arg
+from torch.nn.modules import module as module_globals
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks")
+
+# one step: (slot of its value, kind, target, argument slots or None, args, kwargs, slots freed after it)
+_Step = tuple[int, str, Any, tuple[int, ...] | None, tuple[Any, ...], dict[str, Any], tuple[int, ...]]
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def _any_global_hooks() -> bool:
+    return any(getattr(module_globals, name, None) for name in _GLOBAL_HOOKS)
+
+
+class GraphRunner:
+    """``gm``'s forward as a walk over its graph's nodes; install it with :func:`install`."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        self._build()
+
+    def _build(self) -> None:
+        gm = self.gm
+        self.code = gm.code
+        nodes = list(gm.graph.nodes)
+        slot = {node: index for index, node in enumerate(nodes)}
+        last_use: dict[fx.Node, fx.Node] = {}
+        for node in nodes:
+            for used in node.all_input_nodes:
+                last_use[used] = node
+        freed: dict[fx.Node, list[int]] = {}
+        for used, user in last_use.items():
+            freed.setdefault(user, []).append(slot[used])
+        self.slots, self.placeholders, self.steps = len(nodes), [], []
+        parameters = []
+        self.output: Any = None
+        for node in nodes:
+            if node.op == "placeholder":
+                if str(node.target).startswith("*"):
+                    raise _Unsupported(f"variadic placeholder {node.target}")
+                self.placeholders.append(slot[node])
+                default = node.args[0] if node.args else inspect.Parameter.empty
+                parameters.append(inspect.Parameter(node.target, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                    default=default))
+                continue
+            if node.op == "output":
+                self.output = _slotted(node.args[0], slot)
+                break
+            # a module is found on every call, as the generated code does (it may have been replaced since), but
+            # through the ``_modules`` dicts: no ``nn.Module.__getattr__`` per level
+            target = tuple(node.target.split(".")) if node.op in ("call_module", "get_attr") else node.target
+            direct = all(isinstance(arg, fx.Node) for arg in node.args) and not node.kwargs
+            self.steps.append((slot[node], node.op, target,
+                               tuple(slot[arg] for arg in node.args) if direct else None,
+                               _slotted(node.args, slot), _slotted(node.kwargs, slot),
+                               tuple(freed.get(node, ()))))
+        self.signature = self.__signature__ = inspect.Signature(parameters)  # inspect.signature(gm.forward) too
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.gm.code is not self.code:  # recompiled since: walk the new graph
+            self._build()
+        if kwargs or len(args) != len(self.placeholders):
+            bound = self.signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        env: list[Any] = [None] * self.slots
+        for index, value in zip(self.placeholders, args, strict=True):
+            env[index] = value
+        plain = not (torch._C._get_tracing_state() or _any_global_hooks())
+        for index, op, target, direct, node_args, node_kwargs, freed in self.steps:
+            if direct is not None:
+                call_args: Any = [env[i] for i in direct]
+                call_kwargs: dict[str, Any] = {}
+            else:
+                call_args, call_kwargs = _load(node_args, env), _load(node_kwargs, env)
+            env[index] = _run(op, target, call_args, call_kwargs, self.gm, plain)
+            for dead in freed:
+                env[dead] = None
+        return _load(self.output, env)
+
+
+class _Unsupported(Exception):
+    """A graph the runner does not walk (the generated code keeps it)."""
+
+
+class _Slot:
+    """Where a node's value lives in the runner's list."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _slotted(value: Any, slot: dict[fx.Node, int]) -> Any:
+    """``value`` (node arguments) with every node replaced by the slot its value will be in."""
+    return map_arg(value, lambda node: cast(Any, _Slot(slot[node])))
+
+
+def _load(value: Any, env: list[Any]) -> Any:
+    if isinstance(value, _Slot):
+        return env[value.index]
+    if isinstance(value, tuple):
+        return tuple(_load(item, env) for item in value)
+    if isinstance(value, list):
+        return [_load(item, env) for item in value]
+    if isinstance(value, dict):
+        return {key: _load(item, env) for key, item in value.items()}
+    if isinstance(value, slice):
+        return slice(_load(value.start, env), _load(value.stop, env), _load(value.step, env))
+    return value
+
+
+def _run(op: str, target: Any, args: Any, kwargs: dict[str, Any], gm: fx.GraphModule, plain: bool) -> Any:
+    if op == "call_module":
+        module: nn.Module = gm
+        for name in target:
+            module = module._modules[name]  # type: ignore[assignment]
+        call: Callable[..., Any] = module.forward if plain and not _hooked(module) else module
+        return call(*args, **kwargs)
+    if op == "call_function":
+        return target(*args, **kwargs)
+    if op == "call_method":
+        return getattr(args[0], target)(*args[1:], **kwargs)
+    value: Any = gm  # get_attr: looked up on every call, as the generated code does
+    for name in target:
+        value = getattr(value, name)
+    return value
+
+
+def install(gm: fx.GraphModule) -> fx.GraphModule:
+    """Make ``gm(...)`` run through a :class:`GraphRunner` (the generated code stays ``type(gm).forward``)."""
+    with contextlib.suppress(_Unsupported):
+        gm.forward = GraphRunner(gm)
+    return gm
