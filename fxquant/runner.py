@@ -25,6 +25,8 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 from torch.nn.modules import module as module_globals
 
+from fxquant.state import STATE_KEY
+
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
 
@@ -158,7 +160,10 @@ def _run(op: str, target: Any, args: Any, kwargs: dict[str, Any], gm: fx.GraphMo
 
 
 def install(gm: fx.GraphModule) -> fx.GraphModule:
-    """Make ``gm(...)`` run through a :class:`GraphRunner` (the generated code stays ``type(gm).forward``)."""
-    with contextlib.suppress(_Unsupported):
-        gm.forward = GraphRunner(gm)
+    """Make ``gm(...)``, and the INT8 islands inside it (partial tracing), run through :class:`GraphRunner`s; the
+    generated code stays ``type(gm).forward``."""
+    for module in gm.modules():
+        if module is gm or (isinstance(module, fx.GraphModule) and STATE_KEY in module.meta):
+            with contextlib.suppress(_Unsupported):
+                module.forward = GraphRunner(module)
     return gm

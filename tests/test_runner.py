@@ -42,6 +42,23 @@ def test_the_runner_computes_what_the_generated_code_computes(name: str, backend
         assert torch.equal(qmodel(*x), _generated(qmodel, *x))
 
 
+def test_int8_islands_inside_untraceable_blocks_get_runners_too() -> None:
+    """control_flow's gated block does not trace; its INT8 islands are GraphModules of their own."""
+    qmodel = _converted("control_flow", "reference")
+    islands = {path: m for path, m in qmodel.named_modules() if path and isinstance(m, fx.GraphModule)}
+    assert islands and all(isinstance(m.forward, GraphRunner) for m in islands.values())
+    inputs: dict[str, tuple[object, ...]] = {}
+    handles = [m.register_forward_pre_hook(lambda module, args, path=path: inputs.setdefault(path, args))
+               for path, m in islands.items()]
+    with torch.no_grad():
+        qmodel(*example_inputs("control_flow", 2, seed=3))
+        for handle in handles:
+            handle.remove()
+        assert inputs
+        for path, args in inputs.items():
+            assert torch.equal(islands[path](*args), _generated(islands[path], *args)), path
+
+
 class _Scaled(nn.Module):
     def __init__(self) -> None:
         super().__init__()

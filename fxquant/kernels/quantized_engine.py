@@ -88,17 +88,20 @@ def _canonical(a: torch.Tensor) -> torch.Tensor:
     flags but not by its strides (a batch of one reshaped from a channels-last conv output: 42-66 steps off,
     measured with torch 2.13), so anything but canonical contiguous or channels-last strides (for 3-d tensors: the
     (N, L, C) layout conv1d returns) is copied."""
-    stride, shape = a.stride(), a.shape
-    if stride == _dense_strides(shape, range(a.dim())):
-        return a
-    if a.dim() in (3, 4) and stride == _dense_strides(shape, (0, *range(2, a.dim()), 1)):  # channels last
-        return a
-    return a.contiguous()
+    return a if _is_canonical(a.shape, a.stride()) else a.contiguous()
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_canonical(shape: torch.Size, stride: tuple[int, ...]) -> bool:
+    """Worked out once per (shape, strides): a pool runs on every call (audio1d at batch 1: ~3 us of 0.4 ms each)."""
+    if stride == _dense_strides(shape, range(len(shape))):
+        return True
+    return len(shape) in (3, 4) and stride == _dense_strides(shape, (0, *range(2, len(shape)), 1))  # channels last
 
 
 def _dense_strides(shape: torch.Size, order: Any) -> tuple[int, ...]:
     """The strides of a dense tensor of ``shape`` whose dims are laid out in ``order`` (outermost first), as
-    ``torch.empty`` gives them; computed, not allocated: this runs before every pool."""
+    ``torch.empty`` gives them; computed, not allocated."""
     strides, step = [0] * len(shape), 1
     for dim in reversed(tuple(order)):
         strides[dim] = step
