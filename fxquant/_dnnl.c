@@ -55,6 +55,9 @@ static struct {
     dnnl_status_t (*memory_desc_create_with_strides)(handle_t *, int, const int64_t *, int, const int64_t *);
     dnnl_status_t (*memory_desc_create_with_tag)(handle_t *, int, const int64_t *, int, int);
     dnnl_status_t (*memory_desc_destroy)(handle_t);
+    dnnl_status_t (*memory_desc_clone)(handle_t *, chandle_t);
+    int (*memory_desc_equal)(chandle_t, chandle_t);
+    dnnl_status_t (*memory_get_data_handle)(chandle_t, void **);
     size_t (*memory_desc_get_size)(chandle_t);
     dnnl_status_t (*memory_create)(handle_t *, chandle_t, handle_t, void *);
     dnnl_status_t (*memory_set_data_handle)(handle_t, void *);
@@ -92,6 +95,9 @@ static const struct { void **slot; const char *name; } symbols[] = {
     SYMBOL(memory_desc_create_with_strides, "dnnl_memory_desc_create_with_strides"),
     SYMBOL(memory_desc_create_with_tag, "dnnl_memory_desc_create_with_tag"),
     SYMBOL(memory_desc_destroy, "dnnl_memory_desc_destroy"),
+    SYMBOL(memory_desc_clone, "dnnl_memory_desc_clone"),
+    SYMBOL(memory_desc_equal, "dnnl_memory_desc_equal"),
+    SYMBOL(memory_get_data_handle, "dnnl_memory_get_data_handle"),
     SYMBOL(memory_desc_get_size, "dnnl_memory_desc_get_size"),
     SYMBOL(memory_create, "dnnl_memory_create"),
     SYMBOL(memory_set_data_handle, "dnnl_memory_set_data_handle"),
@@ -163,7 +169,12 @@ typedef struct {
     int nargs, src_arg, dst_arg, scratchpad_arg;  /* indices in ``args`` of the per-call memories (-1: none) */
     float *constants;                             /* scales and bias the owned memories point to */
     int busy;                                     /* a call is using ``memories``: another makes its own */
+    handle_t weights_md;                          /* the layout the weights were reordered into */
+    void *weights;                                /* ... and where they are */
+    PyObject *donor;                              /* the primitive whose weights these are, if shared */
 } Primitive;
+
+static PyTypeObject PrimitiveType;
 
 static int dims_of(PyObject *sequence, int64_t out[DNNL_MAX_NDIMS]) {
     PyObject *fast = PySequence_Fast(sequence, "dims must be a sequence of ints");
@@ -222,8 +233,10 @@ static void Primitive_dealloc(Primitive *p) {
     handle_t *mds[] = {&p->src_md, &p->dst_md, &p->scratchpad_md};
     for (int i = 0; i < 3; i++)
         if (*mds[i]) api.memory_desc_destroy(*mds[i]);
+    if (p->weights_md) api.memory_desc_destroy(p->weights_md);
     free(p->scratchpad);
     free(p->constants);
+    Py_XDECREF(p->donor);  /* after the memories over its weights are gone */
     Py_TYPE(p)->tp_free((PyObject *)p);
 }
 
@@ -243,21 +256,23 @@ static void free_memories(CallMemories *m) {
 }
 
 /* Primitive(weight_ptr, weight_dims, src_dims, src_strides, dst_dims, dst_strides, dst_type, weight_scales, bias,
-             src_scale, src_zero_point, dst_scale, dst_zero_point, conv, eltwise, sum)
+             src_scale, src_zero_point, dst_scale, dst_zero_point, conv, eltwise, sum, share=None)
    weight_dims: plain int8 weight, row-major: (O, I) for a Linear, (O, I, k...) or (G, O/G, I/G, k...) for a conv;
    weight_scales / bias: float32 bytes (bias may be None); dst_type: "u8" or "f32" (no dst scale/zero point);
    conv: None for a Linear, else (strides, dilations (oneDNN's: 0 = dense), padding_l, padding_r);
-   eltwise: None or (algorithm, alpha, beta); sum: None or (scale, zero_point): dst += scale * (dst_before - zp). */
+   eltwise: None or (algorithm, alpha, beta); sum: None or (scale, zero_point): dst += scale * (dst_before - zp);
+   share: Primitives built from the same weight (other input shapes or thread counts): where oneDNN chose the layout
+   of one of them, its reordered weights are used, not a copy. */
 static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *weight_address, *weight_dims_seq, *src_dims_seq, *src_strides_seq, *dst_dims_seq, *dst_strides_seq;
-    PyObject *bias_obj, *conv, *eltwise, *sum;
+    PyObject *bias_obj, *conv, *eltwise, *sum, *share = NULL;
     const char *dst_type;
     Py_buffer weight_scales;
     float src_scale, dst_scale;
     int src_zp, dst_zp;
-    if (!PyArg_ParseTuple(args, "OOOOOOsy*OfifiOOO", &weight_address, &weight_dims_seq, &src_dims_seq,
+    if (!PyArg_ParseTuple(args, "OOOOOOsy*OfifiOOO|O", &weight_address, &weight_dims_seq, &src_dims_seq,
                           &src_strides_seq, &dst_dims_seq, &dst_strides_seq, &dst_type, &weight_scales, &bias_obj,
-                          &src_scale, &src_zp, &dst_scale, &dst_zp, &conv, &eltwise, &sum))
+                          &src_scale, &src_zp, &dst_scale, &dst_zp, &conv, &eltwise, &sum, &share))
         return NULL;
     if (engine == NULL) {
         PyBuffer_Release(&weight_scales);
@@ -363,15 +378,35 @@ static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwa
     /* the weights, reordered once into the layout the primitive chose (with the zero-point compensation it needs) */
     chandle_t packed_md = api.primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
     handle_t packed = NULL;
-    CHECK(api.memory_create(&packed, packed_md, engine, DNNL_MEMORY_ALLOCATE), "weights memory");
-    p->owned[p->n_owned++] = packed;
-    CHECK(api.memory_desc_create_with_strides(&plain_md, weight_ndims, weight_dims, dnnl_s8, weight_strides),
-          "plain weights md");
-    CHECK(api.memory_create(&plain, plain_md, engine, weight_data), "plain weights memory");
-    CHECK(api.reorder_primitive_desc_create(&reorder_pd, plain_md, engine, packed_md, engine, NULL), "reorder");
-    CHECK(api.primitive_create(&reorder, reorder_pd), "reorder primitive");
-    dnnl_exec_arg_t reorder_args[2] = {{DNNL_ARG_SRC, plain}, {DNNL_ARG_DST, packed}};
-    CHECK(api.primitive_execute(reorder, stream, 2, reorder_args), "weights reorder");
+    CHECK(api.memory_desc_clone(&p->weights_md, packed_md), "weights md copy");
+    Primitive *donor = NULL;
+    PyObject *candidates = share ? PySequence_Fast(share, "share must be a sequence of Primitives") : PyTuple_New(0);
+    if (candidates == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(candidates) && donor == NULL; i++) {
+        PyObject *candidate = PySequence_Fast_GET_ITEM(candidates, i);
+        if (PyObject_TypeCheck(candidate, &PrimitiveType) &&
+            api.memory_desc_equal(((Primitive *)candidate)->weights_md, packed_md))
+            donor = (Primitive *)candidate;
+    }
+    Py_XINCREF(donor);  /* held before the sequence (which may own the only reference) goes; dealloc releases it */
+    Py_DECREF(candidates);
+    p->donor = (PyObject *)donor;
+    if (donor != NULL) {
+        CHECK(api.memory_create(&packed, packed_md, engine, donor->weights), "shared weights memory");
+        p->owned[p->n_owned++] = packed;
+        p->weights = donor->weights;
+    } else {
+        CHECK(api.memory_create(&packed, packed_md, engine, DNNL_MEMORY_ALLOCATE), "weights memory");
+        p->owned[p->n_owned++] = packed;
+        CHECK(api.memory_get_data_handle(packed, &p->weights), "weights address");
+        CHECK(api.memory_desc_create_with_strides(&plain_md, weight_ndims, weight_dims, dnnl_s8, weight_strides),
+              "plain weights md");
+        CHECK(api.memory_create(&plain, plain_md, engine, weight_data), "plain weights memory");
+        CHECK(api.reorder_primitive_desc_create(&reorder_pd, plain_md, engine, packed_md, engine, NULL), "reorder");
+        CHECK(api.primitive_create(&reorder, reorder_pd), "reorder primitive");
+        dnnl_exec_arg_t reorder_args[2] = {{DNNL_ARG_SRC, plain}, {DNNL_ARG_DST, packed}};
+        CHECK(api.primitive_execute(reorder, stream, 2, reorder_args), "weights reorder");
+    }
 
     chandle_t scratchpad_md = api.primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
     size_t scratchpad_size = scratchpad_md ? api.memory_desc_get_size(scratchpad_md) : 0;
@@ -464,6 +499,15 @@ static PyMethodDef Primitive_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *Primitive_weights(Primitive *p, void *closure) {
+    return PyLong_FromVoidPtr(p->weights);
+}
+
+static PyGetSetDef Primitive_getset[] = {
+    {"weights_address", (getter)Primitive_weights, NULL, "where the reordered weights are (shared or own)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyTypeObject PrimitiveType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "fxquant._dnnl.Primitive",
@@ -473,6 +517,7 @@ static PyTypeObject PrimitiveType = {
     .tp_new = Primitive_new,
     .tp_dealloc = (destructor)Primitive_dealloc,
     .tp_methods = Primitive_methods,
+    .tp_getset = Primitive_getset,
 };
 
 static PyMethodDef module_methods[] = {

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import fx, nn
@@ -48,11 +48,11 @@ class GraphRunner:
 
     def __init__(self, gm: fx.GraphModule) -> None:
         self.gm = gm
-        self._build()
+        self.plan = self._plan()
+        self.__signature__ = self.plan.signature  # inspect.signature(gm.forward) as for the generated code
 
-    def _build(self) -> None:
+    def _plan(self) -> _Plan:
         gm = self.gm
-        self.code = gm.code
         nodes = list(gm.graph.nodes)
         slot = {node: index for index, node in enumerate(nodes)}
         last_use: dict[fx.Node, fx.Node] = {}
@@ -62,43 +62,44 @@ class GraphRunner:
         freed: dict[fx.Node, list[int]] = {}
         for used, user in last_use.items():
             freed.setdefault(user, []).append(slot[used])
-        self.slots, self.placeholders, self.steps = len(nodes), [], []
+        placeholders: list[int] = []
+        steps: list[_Step] = []
         parameters = []
-        self.output: Any = None
+        output: Any = None
         for node in nodes:
             if node.op == "placeholder":
                 if str(node.target).startswith("*"):
                     raise _Unsupported(f"variadic placeholder {node.target}")
-                self.placeholders.append(slot[node])
+                placeholders.append(slot[node])
                 default = node.args[0] if node.args else inspect.Parameter.empty
                 parameters.append(inspect.Parameter(node.target, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                     default=default))
                 continue
             if node.op == "output":
-                self.output = _slotted(node.args[0], slot)
+                output = _slotted(node.args[0], slot)
                 break
             # a module is found on every call, as the generated code does (it may have been replaced since), but
             # through the ``_modules`` dicts: no ``nn.Module.__getattr__`` per level
             target = tuple(node.target.split(".")) if node.op in ("call_module", "get_attr") else node.target
             direct = all(isinstance(arg, fx.Node) for arg in node.args) and not node.kwargs
-            self.steps.append((slot[node], node.op, target,
-                               tuple(slot[arg] for arg in node.args) if direct else None,
-                               _slotted(node.args, slot), _slotted(node.kwargs, slot),
-                               tuple(freed.get(node, ()))))
-        self.signature = self.__signature__ = inspect.Signature(parameters)  # inspect.signature(gm.forward) too
+            steps.append((slot[node], node.op, target, tuple(slot[arg] for arg in node.args) if direct else None,
+                          _slotted(node.args, slot), _slotted(node.kwargs, slot), tuple(freed.get(node, ()))))
+        return _Plan(gm.code, len(nodes), tuple(placeholders), tuple(steps), output, inspect.Signature(parameters))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.gm.code is not self.code:  # recompiled since: walk the new graph
-            self._build()
-        if kwargs or len(args) != len(self.placeholders):
-            bound = self.signature.bind(*args, **kwargs)
+        plan = self.plan  # one read: a thread that rebuilds it below swaps it whole
+        if self.gm.code is not plan.code:  # recompiled since: walk the new graph
+            plan = self.plan = self._plan()
+            self.__signature__ = plan.signature
+        if kwargs or len(args) != len(plan.placeholders):
+            bound = plan.signature.bind(*args, **kwargs)
             bound.apply_defaults()
             args = tuple(bound.arguments.values())
-        env: list[Any] = [None] * self.slots
-        for index, value in zip(self.placeholders, args, strict=True):
+        env: list[Any] = [None] * plan.slots
+        for index, value in zip(plan.placeholders, args, strict=True):
             env[index] = value
         plain = not (torch._C._get_tracing_state() or _any_global_hooks())
-        for index, op, target, direct, node_args, node_kwargs, freed in self.steps:
+        for index, op, target, direct, node_args, node_kwargs, freed in plan.steps:
             if direct is not None:
                 call_args: Any = [env[i] for i in direct]
                 call_kwargs: dict[str, Any] = {}
@@ -107,7 +108,16 @@ class GraphRunner:
             env[index] = _run(op, target, call_args, call_kwargs, self.gm, plain)
             for dead in freed:
                 env[dead] = None
-        return _load(self.output, env)
+        return _load(plan.output, env)
+
+
+class _Plan(NamedTuple):
+    code: str  # the generated code this plan was made with (``recompile`` makes a new string)
+    slots: int
+    placeholders: tuple[int, ...]
+    steps: tuple[_Step, ...]
+    output: Any
+    signature: inspect.Signature
 
 
 class _Unsupported(Exception):

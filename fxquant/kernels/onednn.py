@@ -1,6 +1,9 @@
 """oneDNN int8 kernels (``torch.ops.onednn``, the ops torch.compile's x86 inductor lowers to) on plain tensors.
 
-Activations are plain ``torch.uint8`` tensors and weights plain ``torch.int8``: no quantized dtype, no global engine.
+Linear/Conv layers run on oneDNN primitives fxquant builds once per input shape
+(:mod:`fxquant.kernels.onednn_direct`) where the oneDNN library is installed, and on these ops otherwise (and for the
+shapes below that need workarounds); both give the same integers. Activations are plain ``torch.uint8`` tensors and
+weights plain ``torch.int8``: no quantized dtype, no global engine.
 Conventions, checked against the op schemas of torch 2.13 and numerically against the reference backend:
 
 * ``qlinear_pointwise`` / ``qconv_pointwise`` take the *real* output scale (oneDNN divides by it). Older builds named
@@ -88,11 +91,13 @@ class OnednnWeight:
     folded: tuple[tuple[float, int], torch.Tensor] | None = None
     calls: dict[tuple[Any, ...], _Call] = field(default_factory=dict, compare=False)  # see ``_bound``
     plain: torch.Tensor | None = None  # the int8 weight, contiguous, for primitives built directly (onednn_direct)
+    shared: list[Any] = field(default_factory=list, compare=False)  # those owning their weights (one per layout)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
         # The packed tensors are opaque (no storage to copy) and never modified after packing, so copies share them.
-        # The bound calls are keyed by the layer's qparams objects, which the copy gets afresh: it binds its own.
-        return replace(self, calls={})
+        # The bound calls are keyed by the layer's qparams objects, which the copy gets afresh: it binds its own
+        # (with the same reordered weights where the layouts match).
+        return replace(self, calls={}, shared=list(self.shared))
 
     def for_input(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The weight packed for inputs of ``shape`` at the current thread count (packed on first use), or the
@@ -278,7 +283,8 @@ def _finish(op: Any, args: tuple[Any, ...], clamp: tuple[int | None, int | None]
 
 def _bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: tuple[float, int, torch.dtype],
                post_op: str, within: QParams | None) -> _Call:
-    """One ``onednn::qconv_pointwise`` call for inputs of ``shape``; ``output``: (scale, zero point, dtype) of the
+    """One conv call for inputs of ``shape``: fxquant's own oneDNN primitive (onednn_direct), else
+    ``onednn::qconv_pointwise``; ``output``: (scale, zero point, dtype) of the
     result; ``post_op``: a ``_POST_OPS`` name applied to the float result before that; ``within``: the qparams a
     uint8 result must lie in."""
     spec = w.spec
@@ -291,7 +297,7 @@ def _bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: 
     plain = _direct(w)
     direct = plain is not None and onednn_direct.conv(plain, w.scale, bias, spec, shape,
                                                       _out_shape(shape, w, spec.padding), (x_scale, x_zp), output,
-                                                      post_op)
+                                                      post_op, w.shared)
     if direct:
         call = _clamped(direct, _clamp(None, within))
     else:
@@ -336,11 +342,12 @@ def _relu(relu: bool) -> str:
 
 def _bind_linear(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: tuple[float, int, torch.dtype],
                  post_op: str, within: QParams | None) -> _Call:
-    """One ``onednn::qlinear_pointwise`` call; arguments as for ``_bind_conv``."""
+    """One Linear call for inputs of ``shape``: fxquant's primitive, else ``onednn::qlinear_pointwise``; arguments
+    as for ``_bind_conv``."""
     x_scale, x_zp, bias = _operands(w, in_qp)
     plain = _direct(w)
     direct = plain is not None and onednn_direct.linear(plain, w.scale, bias, shape, (x_scale, x_zp), output,
-                                                        post_op)
+                                                        post_op, w.shared)
     if direct:
         return _clamped(direct, _clamp(None, within))
     attr, algorithm = _POST_OPS[post_op]
@@ -479,7 +486,7 @@ class OnednnBackend(PlainInt8Backend):
             qps.accum.scalar()
         plain = _direct(w)
         direct = plain is not None and onednn_direct.conv(plain, w.scale, bias, spec, shape, tuple(accum.shape),
-                                                          (x_scale, x_zp), _uint8(qps.out), _relu(relu),
+                                                          (x_scale, x_zp), _uint8(qps.out), _relu(relu), w.shared,
                                                           accum_qp=(acc_scale, acc_zp))
         if direct:
             return _clamped(direct, _clamp(None, qps.out))

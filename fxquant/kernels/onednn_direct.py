@@ -6,7 +6,7 @@ every call, ~50-100 us around kernels that take ~10-100 us at batch 1 (one threa
 two are the same kernel, 3.1 ms). The results are bit-identical to the ops' (tests/kernels/test_onednn_direct.py):
 the same oneDNN algorithms, scales, zero points and post-ops.
 
-The library comes from Intel's ``onednn-cpu-gomp`` wheel (the ``fxquant[onednn]`` extra; it installs
+The library comes from Intel's ``onednn-cpu-gomp`` wheel (a dependency of fxquant on x86-64 Linux; it installs
 ``libdnnl.so.3`` under ``sys.prefix/lib``) or from ``FXQUANT_DNNL_LIBRARY`` (a path; ``0`` turns the direct path
 off). It runs on torch's own OpenMP runtime (``libgomp.so.1``, loaded with torch), so ``torch.set_num_threads``
 governs it; a process where it would get a second runtime keeps the torch ops. Without it, the onednn backend calls
@@ -76,7 +76,7 @@ def status() -> str:
         if len(_gomp_runtimes() - runtimes) > 0:
             return f"off: {path} brought a second OpenMP runtime (threads would not follow torch.set_num_threads)"
         return f"oneDNN {major}.{minor}.{patch} from {path}"
-    return "off: " + ("; ".join(reasons) or "no libdnnl.so.3 (pip install 'fxquant[onednn]')")
+    return "off: " + ("; ".join(reasons) or "no libdnnl.so.3 (pip install onednn-cpu-gomp)")
 
 
 def available() -> bool:
@@ -102,27 +102,32 @@ def _eltwise(post_op: str) -> tuple[int, float, float] | None:
 def _primitive(weight: torch.Tensor, weight_dims: list[int], src_dims: list[int], src_strides: list[int],
                dst_dims: list[int], dst_strides: list[int], scales: torch.Tensor, bias: torch.Tensor | None,
                x_qp: tuple[float, int], output: Output, geometry: tuple[list[int], ...] | None, post_op: str,
-               accum_qp: tuple[float, int] | None) -> Any:
+               accum_qp: tuple[float, int] | None, shared: list[Any]) -> Any:
     """A ``_dnnl.Primitive``, or None where this oneDNN has no implementation for it (the caller then runs the
-    torch op, whose newer oneDNN may have one)."""
+    torch op, whose newer oneDNN may have one). ``shared``: the layer's primitives that own their reordered weights
+    (one per layout); a new one uses those of the layout oneDNN picks for its input shape and thread count, if
+    there, and joins the list otherwise (ResNet-18 at batch 1, 8 and 32: one copy for 13 layers, two for 8)."""
     assert _dnnl is not None
     try:
-        return _dnnl.Primitive(
+        primitive = _dnnl.Primitive(
             weight.data_ptr(), weight_dims, src_dims, src_strides, dst_dims, dst_strides,
             "f32" if output[2] == torch.float32 else "u8", scales.to(torch.float32).numpy().tobytes(),
             None if bias is None else bias.to(torch.float32).numpy().tobytes(), *x_qp, *output[:2], geometry,
-            _eltwise(post_op), accum_qp)
+            _eltwise(post_op), accum_qp, shared)
     except RuntimeError:
         return None
+    if all(primitive.weights_address != owner.weights_address for owner in shared):
+        shared.append(primitive)
+    return primitive
 
 
 def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec,
          shape: tuple[int, ...], out_shape: tuple[int, ...], x_qp: tuple[float, int], output: Output, post_op: str,
-         accum_qp: tuple[float, int] | None = None) -> Callable[..., torch.Tensor] | None:
+         shared: list[Any], accum_qp: tuple[float, int] | None = None) -> Callable[..., torch.Tensor] | None:
     """A call ``f(a)`` (or ``f(a, accum)`` with ``accum_qp``: the sum post-op) running this conv on channels-last
     uint8 inputs of ``shape``; ``weight``: plain int8 (O, I/groups, k...); ``output``: the result's (scale, zero
-    point, dtype); ``post_op``: a name in ``_ELTWISE`` or ``"none"``, applied to the float result. None where this
-    oneDNN cannot run it."""
+    point, dtype); ``post_op``: a name in ``_ELTWISE`` or ``"none"``, applied to the float result; ``shared``: see
+    ``_primitive``. None where this oneDNN cannot run it."""
     memory_format = _MEMORY_FORMATS[len(shape)]
     out_strides = _strides(out_shape, memory_format)
     dims = list(weight.shape)
@@ -130,7 +135,7 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
         dims = [spec.groups, dims[0] // spec.groups, *dims[1:]]
     geometry = (list(spec.stride), [d - 1 for d in spec.dilation], list(spec.padding), list(spec.padding))
     primitive = _primitive(weight, dims, list(shape), _strides(shape, memory_format), list(out_shape), out_strides,
-                           scales, bias, x_qp, output, geometry, post_op, accum_qp)
+                           scales, bias, x_qp, output, geometry, post_op, accum_qp, shared)
     if primitive is None:
         return None
     run, empty, dtype = primitive.run, torch.empty_strided, output[2]
@@ -148,11 +153,14 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
         run(a.data_ptr(), out.data_ptr())
         return out
 
-    return call if accum_qp is None else call_sum
+    chosen = call if accum_qp is None else call_sum
+    chosen.primitive = primitive  # type: ignore[union-attr]  # for inspection (tests, debugging)
+    return chosen
 
 
 def linear(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, ...],
-           x_qp: tuple[float, int], output: Output, post_op: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+           x_qp: tuple[float, int], output: Output, post_op: str,
+           shared: list[Any]) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A call ``f(a)`` running this Linear on uint8 inputs of ``shape`` (..., in_features); arguments and None as
     ``conv``."""
     rows, (out_features, in_features) = shape[:-1], weight.shape
@@ -160,7 +168,8 @@ def linear(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
     for size in rows:
         m *= size
     primitive = _primitive(weight, [out_features, in_features], [m, in_features], [in_features, 1],
-                           [m, out_features], [out_features, 1], scales, bias, x_qp, output, None, post_op, None)
+                           [m, out_features], [out_features, 1], scales, bias, x_qp, output, None, post_op, None,
+                           shared)
     if primitive is None:
         return None
     run, empty, dtype, out_shape = primitive.run, torch.empty, output[2], (*rows, out_features)
@@ -171,4 +180,5 @@ def linear(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
         run(a.data_ptr(), out.data_ptr())
         return out
 
+    call.primitive = primitive  # type: ignore[attr-defined]
     return call

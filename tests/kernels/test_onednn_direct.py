@@ -7,6 +7,7 @@ The contract tests (test_backend_contract.py, test_fused_kernels.py) hold both p
 
 from __future__ import annotations
 
+import copy
 import os
 import platform
 import subprocess
@@ -173,6 +174,28 @@ def test_a_full_cache_runs_the_torch_op_with_the_same_results() -> None:
         fresh.payload.calls.clear()
         assert torch.equal(out, onednn.conv(x, fresh, layer.in_qp, out_qp, relu=False)), width
     assert len(packed.payload.calls) == 16
+
+
+def test_a_layers_primitives_share_its_reordered_weights_where_the_layout_matches() -> None:
+    """Batch 1, 2 and 3 of one layer: one copy of the reordered weights where oneDNN picks one layout (each shape's
+    result still that of a freshly packed weight), and a deep copy shares them too."""
+    onednn = get_backend("onednn")
+    spec, layer, out_qp = _conv_setup()
+    packed = onednn.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+    inputs = [torch.cat([layer.q_x] * 2)[:batch] for batch in (1, 2, 3)]
+    outputs = [onednn.conv(x, packed, layer.in_qp, out_qp, relu=True) for x in inputs]
+    for x, out in zip(inputs, outputs, strict=True):
+        fresh = onednn.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)
+        assert torch.equal(out, onednn.conv(x, fresh, layer.in_qp, out_qp, relu=True))
+    primitives = [call.primitive for call in packed.payload.calls.values()]
+    assert len(primitives) == 3 and packed.payload.shared == primitives[:1]
+    assert len({p.weights_address for p in primitives}) == 1  # this 8 -> 16 3x3 conv: one layout for all three
+    copied = copy.deepcopy(packed)
+    del packed, primitives
+    out = onednn.conv(inputs[0], copied, layer.in_qp, out_qp, relu=True)
+    assert torch.equal(out, outputs[0])
+    assert next(iter(copied.payload.calls.values())).primitive.weights_address == copied.payload.shared[0]. \
+        weights_address
 
 
 def test_a_primitive_onednn_refuses_runs_on_the_torch_op(monkeypatch: pytest.MonkeyPatch) -> None:
