@@ -18,6 +18,7 @@ from fxquant.artifacts.manifest import checksum
 from fxquant.errors import ArtifactError, InputError
 from fxquant.kernels.registry import available_backends
 from fxquant.models.digits import DigitsCNN, digits_cnn
+from fxquant.state import quant_state
 
 DATA = [torch.rand(16, 1, 8, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
 
@@ -162,6 +163,19 @@ def test_export_writes_torchscript_or_says_which_backend_cannot(tmp_path: Path) 
         with pytest.raises(ArtifactError, match="'onednn' cannot be exported to TorchScript"):
             fxquant.export(_quantized("onednn"), tmp_path / "o.pt")
         assert not (tmp_path / "o.pt").exists()
+
+
+def test_export_refuses_an_auto_model_with_onednn_layers(tmp_path: Path) -> None:
+    """Checked before tracing: a trace of oneDNN primitives fxquant runs itself would record only empty outputs."""
+    if "onednn" not in available_backends():
+        pytest.skip("this torch has no onednn ops")
+    prepared = fxquant.prepare(_model(), (DATA[0][:1],))
+    fxquant.calibrate(prepared, DATA, progress=False)
+    layers = quant_state(fxquant.convert(prepared, backend="auto")).layer_backends
+    qmodel = fxquant.convert(prepared, backend="auto", layer_backends={name: "onednn" for name in layers})
+    with pytest.raises(ArtifactError, match="'onednn' cannot be exported to TorchScript"):
+        fxquant.export(qmodel, tmp_path / "auto.pt")
+    assert not (tmp_path / "auto.pt").exists()
 
 
 def test_models_with_int8_islands_round_trip(tmp_path: Path) -> None:
