@@ -256,7 +256,7 @@ static void free_memories(CallMemories *m) {
 }
 
 /* Primitive(weight_ptr, weight_dims, src_dims, src_strides, dst_dims, dst_strides, dst_type, weight_scales, bias,
-             src_scale, src_zero_point, dst_scale, dst_zero_point, conv, eltwise, sum, share=None)
+             src_scale, src_zero_point, dst_scale, dst_zero_point, conv, eltwise, sum, share=())
    weight_dims: plain int8 weight, row-major: (O, I) for a Linear, (O, I, k...) or (G, O/G, I/G, k...) for a conv;
    weight_scales / bias: float32 bytes (bias may be None); dst_type: "u8" or "f32" (no dst scale/zero point);
    conv: None for a Linear, else (strides, dilations (oneDNN's: 0 = dense), padding_l, padding_r);
@@ -292,13 +292,20 @@ static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwa
     }
     int weight_ndims = dims_of(weight_dims_seq, weight_dims), src_ndims = dims_of(src_dims_seq, src_dims);
     int dst_ndims = dims_of(dst_dims_seq, dst_dims);
-    if (weight_ndims < 0 || src_ndims < 0 || dst_ndims < 0 || dims_of(src_strides_seq, src_strides) != src_ndims ||
-        dims_of(dst_strides_seq, dst_strides) != dst_ndims)
+    if (weight_ndims < 0 || src_ndims < 0 || dst_ndims < 2 || dims_of(src_strides_seq, src_strides) != src_ndims ||
+        dims_of(dst_strides_seq, dst_strides) != dst_ndims) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "dims and strides do not match");
         goto fail;
+    }
     void *weight_data = PyLong_AsVoidPtr(weight_address);
     if (PyErr_Occurred()) goto fail;
     int64_t out_channels = dst_dims[1], n_scales = (int64_t)(weight_scales.len / sizeof(float));
     if (bias_obj != Py_None && PyObject_GetBuffer(bias_obj, &bias, PyBUF_SIMPLE) < 0) goto fail;
+    if ((bias.buf && bias.len != out_channels * (Py_ssize_t)sizeof(float)) ||
+        (n_scales != 1 && n_scales != out_channels)) {
+        PyErr_SetString(PyExc_ValueError, "bias and weight scales take one float32 per output channel (scales: or 1)");
+        goto fail;
+    }
     int float_dst = strcmp(dst_type, "f32") == 0;
     int has_src_zp = src_zp != 0, has_dst_zp = !float_dst && dst_zp != 0;
 

@@ -256,3 +256,17 @@ def test_the_report_environment_records_the_onednn_it_called() -> None:
     assert env.onednn.startswith("oneDNN 3.")
     assert Environment.from_dict(env.to_dict()) == env
     assert Environment.from_dict({"torch": "2.13.0"}).onednn == ""  # reports written before the field
+
+
+@pytest.mark.parametrize(("bias", "scales", "strides", "message"), [
+    (b"\0" * 12, b"\0\0\x80?", [8, 1], "one float32 per output channel"),
+    (None, b"\0" * 8, [8, 1], "one float32 per output channel"),
+    (None, b"\0\0\x80?", [1], "dims and strides do not match"),
+])
+def test_malformed_primitive_arguments_raise_instead_of_reading_past_a_buffer(
+        bias: bytes | None, scales: bytes, strides: list[int], message: str) -> None:
+    assert onednn_direct.available() and onednn_direct._dnnl is not None, onednn_direct.status()
+    weight = torch.ones(4, 8, dtype=torch.int8)
+    with pytest.raises(ValueError, match=message):
+        onednn_direct._dnnl.Primitive(weight.data_ptr(), [4, 8], [2, 8], strides, [2, 4], [4, 1], "u8", scales, bias,
+                                      0.1, 0, 0.1, 0, None, None, None)
