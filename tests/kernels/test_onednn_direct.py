@@ -13,6 +13,7 @@ import platform
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -43,10 +44,10 @@ CONV_OUTPUTS = [(*conv, output) for conv in CONVS for output in OUTPUTS
                 if not (conv[0].dim == 3 and output == "uint8+silu")]  # conv3d: no fused unary on either path
 
 
-def _both_paths(monkeypatch: pytest.MonkeyPatch, pack: object) -> tuple[PackedWeight, PackedWeight]:
+def _both_paths(monkeypatch: pytest.MonkeyPatch,
+                pack: Callable[[], PackedWeight]) -> tuple[PackedWeight, PackedWeight]:
     """The same weight packed for fxquant's primitives and, with the library hidden, for the torch ops."""
     assert onednn_direct.available(), onednn_direct.status()
-    assert callable(pack)
     direct = pack()
     with monkeypatch.context() as patch:
         patch.setattr(onednn_direct, "available", lambda: False)
