@@ -26,6 +26,7 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 from torch.nn.modules import module as module_globals
 
+from fxquant import segments
 from fxquant.state import STATE_KEY
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
@@ -67,6 +68,7 @@ class GraphRunner:
         steps: list[_Step] = []
         parameters = []
         output: Any = None
+        position: dict[fx.Node, int] = {}
         for node in nodes:
             if node.op == "placeholder":
                 if str(node.target).startswith("*"):
@@ -78,14 +80,18 @@ class GraphRunner:
                 continue
             if node.op == "output":
                 output = _slotted(node.args[0], slot)
+                position[node] = len(steps)
                 break
+            position[node] = len(steps)
             # a module is found on every call, as the generated code does (it may have been replaced since), but
             # through the ``_modules`` dicts: no ``nn.Module.__getattr__`` per level
             target = tuple(node.target.split(".")) if node.op in ("call_module", "get_attr") else node.target
             direct = all(isinstance(arg, fx.Node) for arg in node.args) and not node.kwargs
             steps.append((slot[node], node.op, target, tuple(slot[arg] for arg in node.args) if direct else None,
                           _slotted(node.args, slot), _slotted(node.kwargs, slot), tuple(freed.get(node, ()))))
-        return _Plan(gm.code, len(nodes), tuple(placeholders), tuple(steps), output, inspect.Signature(parameters))
+        last_read = {slot[used]: position[user] for used, user in last_use.items() if user in position}
+        grouped = segments.group(steps, gm, last_read, _run_layer)  # oneDNN layers replayed as one step
+        return _Plan(gm.code, len(nodes), tuple(placeholders), tuple(grouped), output, inspect.Signature(parameters))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.plan  # one read: a thread that rebuilds it below swaps it whole
@@ -101,6 +107,11 @@ class GraphRunner:
             env[index] = value
         plain = not (torch._C._get_tracing_state() or _any_global_hooks())
         for index, op, target, direct, node_args, node_kwargs, freed in plan.steps:
+            if op == "run":  # consecutive oneDNN layers (fxquant.segments)
+                target(env, self.gm, plain, _hooked)
+                for dead in freed:
+                    env[dead] = None
+                continue
             if direct is not None:
                 call_args: Any = [env[i] for i in direct]
                 call_kwargs: dict[str, Any] = {}
@@ -153,13 +164,17 @@ def _load(value: Any, env: list[Any]) -> Any:
     return value
 
 
+def _run_layer(module: nn.Module, args: list[Any], plain: bool, kwargs: dict[str, Any] | None = None) -> Any:
+    call: Callable[..., Any] = module.forward if plain and not _hooked(module) else module
+    return call(*args, **(kwargs or {}))
+
+
 def _run(op: str, target: Any, args: Any, kwargs: dict[str, Any], gm: fx.GraphModule, plain: bool) -> Any:
     if op == "call_module":
         module: nn.Module = gm
         for name in target:
             module = module._modules[name]  # type: ignore[assignment]
-        call: Callable[..., Any] = module.forward if plain and not _hooked(module) else module
-        return call(*args, **kwargs)
+        return _run_layer(module, args, plain, kwargs)
     if op == "call_function":
         return target(*args, **kwargs)
     if op == "call_method":

@@ -205,6 +205,26 @@ class Backend(ABC):
             "sigmoid": torch.sigmoid, "tanh": torch.tanh, "hardsigmoid": torch.nn.functional.hardsigmoid}
         return self.quantize(functions[function](self.dequantize(a, qa)), qout)
 
+    @abstractmethod
+    def from_bytes(self, stored: torch.Tensor, qp: QParams) -> torch.Tensor:
+        """This backend's int8 value at ``qp`` whose stored bytes are ``stored`` (uint8)."""
+
+    @abstractmethod
+    def to_bytes(self, a: torch.Tensor) -> torch.Tensor:
+        """The stored bytes of int8 value ``a`` as uint8."""
+
+    def lookup_table(self, function: Callable[[torch.Tensor], torch.Tensor], qa: QParams,
+                     qout: QParams) -> torch.Tensor:
+        """uint8[256]: entry ``b`` is the byte this backend stores for ``function`` of the input stored as ``b`` --
+        its own dequantize, ``function`` and quantize, run once on every possible byte (:mod:`fxquant.nn.lookup`)."""
+        with torch.no_grad():
+            levels = self.from_bytes(torch.arange(256, dtype=torch.uint8), qa)
+            return self.to_bytes(self.quantize(function(self.dequantize(levels, qa)), qout)).contiguous()
+
+    @abstractmethod
+    def lookup(self, a: torch.Tensor, table: torch.Tensor, qout: QParams) -> torch.Tensor:
+        """``table`` (from ``lookup_table``) applied to every stored byte of ``a``: an int8 value at ``qout``."""
+
     def cat(self, values: list[torch.Tensor], qps: list[QParams], qout: QParams, dim: int) -> torch.Tensor:
         """Concatenation requantized to ``qout``; this default goes through float, unless every input is on
         ``qout``'s grid already (convert gives a cat's inputs its qparams where it can): then it is a copy."""

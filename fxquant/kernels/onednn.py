@@ -273,7 +273,13 @@ def _clamped(call: _Call, clamp: tuple[int | None, int | None] | None) -> _Call:
     """``call``, its result clamped where ``clamp`` says so."""
     if clamp is None:
         return call
-    return lambda *tensors: call(*tensors).clamp_(*clamp)
+
+    def clamped(*tensors: torch.Tensor) -> torch.Tensor:
+        out = call(*tensors).clamp_(*clamp)
+        onednn_direct.record_other()  # a recording of this layer's primitive alone would skip the clamp
+        return out
+
+    return clamped
 
 
 def _finish(op: Any, args: tuple[Any, ...], clamp: tuple[int | None, int | None] | None) -> _Call:

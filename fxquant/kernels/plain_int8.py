@@ -239,6 +239,19 @@ class PlainInt8Backend(Backend):
         scale, zero_point = qp.scalar()
         return a.to(torch.float32).sub_(zero_point).mul_(scale)  # qparams.dequantize in place: one buffer
 
+    def from_bytes(self, stored: torch.Tensor, qp: QParams) -> torch.Tensor:
+        return stored.view(qp.dtype)
+
+    def to_bytes(self, a: torch.Tensor) -> torch.Tensor:
+        return a.view(torch.uint8)
+
+    def lookup(self, a: torch.Tensor, table: torch.Tensor, qout: QParams) -> torch.Tensor:
+        if native.loops is not None and not torch.jit.is_tracing() and native.dense_format(a) is not None:
+            out = native.lookup_into(torch.empty_like(a, dtype=torch.uint8), a, table)
+        else:  # a traced model records torch ops; the table is the same
+            out = table[a.view(torch.uint8).long()]
+        return out.view(qout.dtype)
+
     def add(self, a: torch.Tensor, b: torch.Tensor, qa: QParams, qb: QParams, qout: QParams, *,
             relu: bool) -> torch.Tensor:
         # (qa - za) * sa is a 9-bit integer times a float32 scale: exact in float64, and so is the sum of two of

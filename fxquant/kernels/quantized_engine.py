@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fxquant import native
 from fxquant.cpu import has_vnni
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight, same_grid
 from fxquant.kernels.fbgemm_transposed import (
@@ -134,6 +135,22 @@ class _QuantizedDtypeBackend(Backend):
 
     def dequantize(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
         return a.dequantize()
+
+    def from_bytes(self, stored: torch.Tensor, qp: QParams) -> torch.Tensor:
+        scale, zp = qp.scalar()
+        return torch._make_per_tensor_quantized_tensor(stored, scale, zp)
+
+    def to_bytes(self, a: torch.Tensor) -> torch.Tensor:
+        return a.int_repr()
+
+    def lookup(self, a: torch.Tensor, table: torch.Tensor, qout: QParams) -> torch.Tensor:
+        scale, zp = qout.scalar()
+        memory_format = native.dense_format(a)
+        if native.loops is None or torch.jit.is_tracing() or memory_format is None:  # traced: torch ops, same table
+            return torch._make_per_tensor_quantized_tensor(table[a.int_repr().long()], scale, zp)
+        out = torch._empty_affine_quantized(a.shape, scale=scale, zero_point=zp, dtype=torch.quint8,
+                                            memory_format=memory_format)
+        return native.lookup_into(out, a, table)
 
     def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, *,
                        in_qp: QParams | None = None) -> PackedWeight:

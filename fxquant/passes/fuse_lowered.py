@@ -12,8 +12,12 @@
   kernel's post-op and the quantize's qparams as its output (``Backend.fused_linear_unary``), as Inductor's
   ``qconv2d_pointwise`` / ``qlinear_pointwise`` unary fusions do: no float tensor, no separate quantize.
 
-fbgemm/qnnpack have none of these kernels and keep the separate ops. The passes edit in place; the caller runs
-dead-code elimination and recompiles.
+* ``fuse_lookup``: what is left of ``quantize(f(dequantize(a)))`` with ``f`` an element-wise activation (SiLU,
+  hardswish, GELU, ... on fbgemm/qnnpack, which fuse none of them) becomes one
+  :class:`~fxquant.nn.lookup.QuantizedLookup`: a 256-entry table of the three ops' results, one byte pass.
+
+fbgemm/qnnpack have none of the first three kernels and keep the separate ops. The passes edit in place; the caller
+runs dead-code elimination and recompiles.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import fx, nn
 
+from fxquant.nn.lookup import QuantizedLookup, elementwise_function
 from fxquant.nn.quantized import (
     DeQuantize,
     Quantize,
@@ -161,6 +166,37 @@ def fuse_unary(gm: fx.GraphModule) -> fx.GraphModule:
     return gm
 
 
+def _free_name(gm: fx.GraphModule, name: str) -> str:
+    candidate, count = name, 0
+    while hasattr(gm, candidate):
+        count += 1
+        candidate = f"{name}_{count}"
+    return candidate
+
+
+def fuse_lookup(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace ``quantize(f(dequantize(a)))``, one backend throughout and ``f`` element-wise, by a table lookup."""
+    modules = dict(gm.named_modules())
+    for node in nodes_of(gm):
+        function = elementwise_function(node, modules)
+        source = node.args[0] if node.args else None
+        if function is None or not isinstance(source, fx.Node) or len(source.users) != 1 or len(node.users) != 1:
+            continue
+        dequantize, quantize_node = _module(gm, source), next(iter(node.users))
+        quantize = _module(gm, quantize_node)
+        if not (isinstance(dequantize, DeQuantize) and isinstance(quantize, Quantize)) \
+                or dequantize.backend is not quantize.backend or dequantize.qp.per_channel or quantize.qp.per_channel:
+            continue
+        name = _free_name(gm, f"lookup_{node.name}")
+        gm.add_submodule(name, QuantizedLookup(function, dequantize.qp, quantize.qp, quantize.backend))
+        with gm.graph.inserting_before(quantize_node):
+            lookup = gm.graph.call_module(name, source.args)
+        quantize_node.replace_all_uses_with(lookup)
+        for erased in (quantize_node, node, source):
+            gm.graph.erase_node(erased)
+    return gm
+
+
 def fuse_lowered(gm: fx.GraphModule) -> fx.GraphModule:
     """Every fusion above, in place."""
-    return fuse_unary(fuse_float_outputs(fuse_conv_add(gm)))
+    return fuse_lookup(fuse_unary(fuse_float_outputs(fuse_conv_add(gm))))

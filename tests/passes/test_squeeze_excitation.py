@@ -76,8 +76,8 @@ def test_gate_and_product_lower_to_int8_with_three_boundaries(gate: str) -> None
     modules = [type(m) for m in qmodel.modules()]
     assert QuantizedFixedRange in modules and QuantizedMul in modules and QuantizedPool in modules
     report = fxquant.coverage(qmodel)
-    # quantize: the input, the SiLU output; dequantize: into the SiLU, the model output
-    assert (report.quantize_nodes, report.dequantize_nodes) == (2, 2), str(report)
+    # quantize: the input; dequantize: the model output (the SiLU between two int8 values is a table, nn.lookup)
+    assert (report.quantize_nodes, report.dequantize_nodes) == (1, 1), str(report)
 
 
 @pytest.mark.parametrize("backend", available_backends())

@@ -1,0 +1,155 @@
+"""``fxquant.segments``: runs of onednn layers recorded once and replayed as primitive calls must compute exactly what
+torch.fx's generated code computes, call after call, and step aside whenever the recording no longer holds."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import fx, nn
+
+import fxquant
+from fxquant import segments
+from fxquant.kernels import onednn_direct
+from fxquant.kernels.registry import available_backends
+from fxquant.models import create_model, example_inputs
+from fxquant.qparams import QParams
+
+pytestmark = pytest.mark.skipif("onednn" not in available_backends() or not onednn_direct.available(),
+                                reason="needs the onednn backend on fxquant's own oneDNN primitives")
+
+
+class _Net(nn.Module):
+    """Residual blocks (conv + add fused), a depthwise conv, a value read after the convs (``skip``) and a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, stride=2, padding=1)
+        self.a1, self.a2 = nn.Conv2d(16, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1)
+        self.dw, self.pw = nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.Conv2d(16, 24, 1)
+        self.fc = nn.Linear(24, 10)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.relu(self.stem(x))
+        skip = torch.relu(self.a2(torch.relu(self.a1(y))) + y)
+        z = self.pw(torch.relu(self.dw(skip)))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(z, 1), 1)), skip
+
+
+def _converted(model: nn.Module, shape: tuple[int, ...]) -> fx.GraphModule:
+    torch.manual_seed(0)
+    prepared = fxquant.prepare(model.eval(), (torch.randn(shape),))
+    fxquant.calibrate(prepared, [torch.randn(shape) for _ in range(3)], progress=False)
+    return fxquant.convert(prepared, backend="onednn")
+
+
+def _generated(gm: fx.GraphModule, *args: Any) -> Any:
+    return type(gm).forward(gm, *args)
+
+
+def _runs(gm: fx.GraphModule) -> list[segments.Run]:
+    return [step[2] for step in gm.forward.plan.steps if step[1] == "run"]  # type: ignore[attr-defined]
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, tuple):
+        return all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return torch.equal(a, b)
+
+
+def test_replayed_runs_compute_the_generated_codes_bits_call_after_call() -> None:
+    qmodel = _converted(_Net(), (2, 3, 16, 16))
+    runs = _runs(qmodel)
+    assert runs and all(len(run.steps) >= 2 for run in runs)
+    first = None
+    for seed, shape in enumerate([(2, 3, 16, 16), (2, 3, 16, 16), (1, 3, 20, 12), (2, 3, 16, 16), (1, 3, 20, 12)]):
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+        out = qmodel(x)
+        assert _same(out, _generated(qmodel, x)), shape
+        if first is None:
+            first, kept = out, tuple(t.clone() for t in out)
+    assert _same(first, kept)  # results handed out earlier are never reused as buffers
+    recordings = [r for run in runs for r in run.recordings.values()]
+    assert len(recordings) == 2 * len(runs) and all(r is not None for r in recordings)  # two input shapes
+
+
+def test_mobilenetv2_replays_its_convs_exactly() -> None:
+    prepared = fxquant.prepare(create_model("mobilenetv2"), example_inputs("mobilenetv2", 1))
+    fxquant.calibrate(prepared, [example_inputs("mobilenetv2", 2, seed=s) for s in range(2)], progress=False)
+    qmodel = fxquant.convert(prepared, backend="onednn")
+    assert sum(len(run.steps) for run in _runs(qmodel)) == 52  # every conv: one run from the stem to the last
+    for seed in range(3):
+        (x,) = example_inputs("mobilenetv2", 1, seed=seed)
+        with torch.inference_mode():
+            assert torch.equal(qmodel(x), _generated(qmodel, x))
+
+
+def test_concurrent_callers_get_their_own_buffers() -> None:
+    qmodel = _converted(_Net(), (1, 3, 16, 16))
+    inputs = [torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(s)) for s in range(8)]
+    expected = [_generated(qmodel, x) for x in inputs]
+    qmodel(inputs[0])  # recorded
+    failures: list[int] = []
+
+    def call(index: int) -> None:
+        for _ in range(20):
+            if not _same(qmodel(inputs[index]), expected[index]):
+                failures.append(index)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+def test_a_changed_layer_is_run_as_it_now_is() -> None:
+    qmodel = _converted(_Net(), (1, 3, 16, 16))
+    x = torch.randn(1, 3, 16, 16)
+    qmodel(x), qmodel(x)  # recorded, replayed
+    layer = qmodel.get_submodule("dw")
+    scale, zero_point = layer.out_qp.scalar()
+    layer.out_qp = QParams(torch.tensor(scale * 1.5), torch.tensor(zero_point), 0, 255)  # new qparams in place
+    assert _same(qmodel(x), _generated(qmodel, x)) and _same(qmodel(x), _generated(qmodel, x))
+    layer.out_qp = QParams(torch.tensor(scale), torch.tensor(zero_point), 0, 127)  # a clamp after the primitive
+    assert _same(qmodel(x), _generated(qmodel, x)) and _same(qmodel(x), _generated(qmodel, x))
+    run = next(run for run in _runs(qmodel) if any(step[2] == ("dw",) for step in run.steps))
+    assert None in run.recordings.values()  # that layout is left to the layer-by-layer path
+    replacement = _converted(_Net(), (1, 3, 16, 16)).get_submodule("pw")
+    qmodel.pw = replacement  # another layer object
+    assert _same(qmodel(x), _generated(qmodel, x)) and _same(qmodel(x), _generated(qmodel, x))
+
+
+def test_hooks_tracing_and_big_buffers_take_the_layer_by_layer_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    qmodel = _converted(_Net(), (1, 3, 16, 16))
+    x = torch.randn(1, 3, 16, 16)
+    qmodel(x)
+    seen: list[str] = []
+    handle = qmodel.get_submodule("a1").register_forward_hook(lambda *_: seen.append("a1"))
+    assert _same(qmodel(x), _generated(qmodel, x)) and seen == ["a1", "a1"]
+    handle.remove()
+    monkeypatch.setattr(segments, "ARENA_LIMIT", 0)
+    y = torch.randn(2, 3, 16, 16)  # a new layout: recorded under the new limit, which nothing fits
+    assert _same(qmodel(y), _generated(qmodel, y)) and _same(qmodel(y), _generated(qmodel, y))
+    assert any(r is None for run in _runs(qmodel) for r in run.recordings.values())
+
+
+def test_values_alive_at_once_never_share_memory() -> None:
+    """``_pack`` against a brute-force check of every pair of buffers (a mutation sharing all slots fails it)."""
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        buffers = {}
+        for b in range(12):
+            first = int(torch.randint(0, 10, (1,), generator=generator))
+            last = first + int(torch.randint(0, 4, (1,), generator=generator))
+            buffers[b] = segments._Buffer(first, last, int(torch.randint(1, 5000, (1,), generator=generator)), False)
+        offsets, total = segments._pack(buffers)
+        for a, x in buffers.items():
+            assert offsets[a] % 64 == 0 and offsets[a] + x.nbytes <= total
+            for b, y in buffers.items():
+                in_time = a != b and not (x.last < y.first or y.last < x.first)
+                in_memory = offsets[a] < offsets[b] + y.nbytes and offsets[b] < offsets[a] + x.nbytes
+                assert not (in_time and in_memory), (a, b, buffers, offsets)
