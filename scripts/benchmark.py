@@ -207,28 +207,16 @@ def measure(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], 
             calls: dict[str, float], args: argparse.Namespace) -> dict[str, LatencyStats]:
     """Interleaved runs sized by one untimed round: warmup, minimum rounds and budget follow the slowest model.
 
-    ``measure_latency`` keeps one order every round, and on sub-millisecond models whichever call comes right
-    after the FP32 model is ~25% slower (measured on the MLP at batch 1; its float weights flush the cache), which
-    would decide the peer ratio. Light configurations are therefore timed in two passes, in order and reversed,
-    and their medians averaged. ``measure_latency`` also stops at its budget before ``min_runs``: the budget is
-    raised to fit the minimum rounds of heavy models.
+    ``measure_latency`` shuffles the order every round, so no candidate always runs right after the FP32 model (on
+    sub-millisecond models that call is ~25% slower). It also stops at its budget before ``min_runs``: the budget
+    is raised to fit the minimum rounds of heavy models.
     """
     heavy = max(calls.values()) > HEAVY_CALL_S
-    min_runs = 2 if args.quick else 3 if heavy else 5
+    min_runs = 2 if args.quick else 3 if heavy else 10
     budget = max(args.time_budget, 1.2 * min_runs * sum(calls.values()))
     fns = {key: (lambda c=c: c.run(*inputs)) for key, c in candidates.items()}
-    orders = [list(fns)] if heavy else [list(fns), list(fns)[::-1]]
-    return _merge([measure_latency({k: fns[k] for k in order}, threads=threads, warmup=0 if heavy or args.quick
-                                   else 3, min_runs=min_runs, time_budget_s=budget / len(orders)) for order in orders])
-
-
-def _merge(passes: list[dict[str, LatencyStats]]) -> dict[str, LatencyStats]:
-    """Mean of the passes' medians and p90s, extremes of their min/max, total runs."""
-    def merged(key: str) -> LatencyStats:
-        stats = [p[key] for p in passes]
-        return LatencyStats(sum(s.median for s in stats) / len(stats), sum(s.p90 for s in stats) / len(stats),
-                            min(s.min for s in stats), max(s.max for s in stats), sum(s.runs for s in stats))
-    return {key: merged(key) for key in passes[0]}
+    return measure_latency(fns, threads=threads, warmup=0 if heavy or args.quick else 3, min_runs=min_runs,
+                           time_budget_s=budget)
 
 
 def profile_if_beaten(candidates: dict[str, Candidate], stats: dict[str, LatencyStats],

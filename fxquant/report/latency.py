@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -66,19 +67,24 @@ def measure_latency(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 3, mi
     """Time each zero-argument callable in ``fns``, interleaved round by round, under ``torch.inference_mode``.
 
     Always runs ``min_runs`` rounds; then stops when every callable's mean is known within ``rel_ci`` (95%
-    confidence), after ``max_runs`` rounds, or when ``time_budget_s`` is spent, whichever is first. The order of the
-    callables rotates every round: whichever runs right after another model finds the caches full of that model's
-    weights, and a fixed order would bias the ratio (measured: 25% on a sub-millisecond MLP).
+    confidence), after ``max_runs`` rounds, or when ``time_budget_s`` is spent, whichever is first. Each round runs
+    the callables in a new order (a seeded shuffle, so a run is repeatable): whatever runs right after another
+    model pays for what that model left behind (its weights in the caches; after a float model, int8 kernels run
+    slower for a while), and a fixed order - or one merely rotated, which keeps every callable's predecessor -
+    would charge it to the same callable every round (measured: 25% on a sub-millisecond MLP right after its FP32
+    model).
     """
     samples: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns.items())
+    shuffle = random.Random(0).shuffle
     with num_threads(threads), torch.inference_mode():
         for fn in fns.values():
             for _ in range(warmup):
                 fn()
         deadline = time.perf_counter() + time_budget_s
         for round_ in range(max_runs):
-            for name, fn in order[round_ % len(order):] + order[:round_ % len(order)]:
+            shuffle(order)
+            for name, fn in order:
                 start = time.perf_counter()
                 fn()
                 samples[name].append((time.perf_counter() - start) * 1e3)

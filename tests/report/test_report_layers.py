@@ -122,3 +122,16 @@ def test_layers_rebuilt_from_functional_calls_are_measured() -> None:
     assert [(layer.name, layer.kind, layer.quantized) for layer in report.layers] == [
         ("0", "Conv2d", True), ("3", "Linear", True)]
     assert all(layer.sqnr_db is not None and layer.sqnr_db > 25 for layer in report.layers), report.to_markdown()
+
+
+def test_latency_rounds_give_every_callable_every_predecessor() -> None:
+    """A fixed (or rotated) order hands the same predecessor to a callable every round, and with it the cost of
+    what that predecessor leaves behind; the order must change across rounds."""
+    from fxquant.report.latency import measure_latency
+
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    measure_latency(fns, warmup=0, min_runs=40, max_runs=40, time_budget_s=60)
+    predecessors = {name: {calls[i - 1] for i in range(1, len(calls)) if calls[i] == name} for name in fns}
+    assert all(previous == set(fns) - {name} or previous == set(fns) for name, previous in predecessors.items())
+    assert sorted(calls) == sorted(list(fns) * 40)
