@@ -401,7 +401,7 @@ static PyObject *mul_u8(PyObject *self, PyObject *args) {
 
 /* lookup_u8(src, dst, n, table): dst[i] = table[src[i]] over n bytes. With AVX512-VBMI, 64 bytes per step: two
  * 128-entry permutes (the index's low seven bits pick within each half of the table) and a blend on its top bit;
- * elsewhere one byte at a time (~5x slower, still one pass where dequantize -> function -> quantize takes three). */
+ * elsewhere one byte at a time (still one pass where dequantize -> function -> quantize takes three). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 __attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void lookup_vbmi(const uint8_t *src, uint8_t *dst,

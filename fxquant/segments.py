@@ -102,10 +102,11 @@ class Run:
             self._one_by_one(env, modules, plain)
             return
         key = (torch.get_num_threads(), *(_layout(env[slot]) for slot in self.inputs))
+        if key not in self.recordings and len(self.recordings) >= RECORDINGS_PER_RUN:
+            self._one_by_one(env, modules, plain)  # too many layouts: the rest run as before
+            return
         if key not in self.recordings or not _current(self.recordings[key], modules):
-            recording = self._record(env, modules)
-            if key in self.recordings or len(self.recordings) < RECORDINGS_PER_RUN:
-                self.recordings[key] = recording
+            self.recordings[key] = self._record(env, modules)
             return
         recording = self.recordings[key]
         if recording is None:

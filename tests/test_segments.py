@@ -153,3 +153,12 @@ def test_values_alive_at_once_never_share_memory() -> None:
                 in_time = a != b and not (x.last < y.first or y.last < x.first)
                 in_memory = offsets[a] < offsets[b] + y.nbytes and offsets[b] < offsets[a] + x.nbytes
                 assert not (in_time and in_memory), (a, b, buffers, offsets)
+
+
+def test_layouts_past_the_limit_run_layer_by_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segments, "RECORDINGS_PER_RUN", 1)
+    qmodel = _converted(_Net(), (1, 3, 16, 16))
+    for shape in [(1, 3, 16, 16), (2, 3, 16, 16), (2, 3, 16, 16), (1, 3, 16, 16)]:
+        x = torch.randn(shape)
+        assert _same(qmodel(x), _generated(qmodel, x)), shape
+    assert all(len(run.recordings) == 1 for run in _runs(qmodel))  # the first layout only
