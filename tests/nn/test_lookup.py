@@ -175,3 +175,16 @@ def test_an_exported_model_computes_the_same_tables(tmp_path: Path) -> None:
     x = torch.randn(3, 3, 8, 8)
     path = fxquant.export(qmodel, tmp_path / "model.pt")
     assert torch.equal(torch.jit.load(str(path))(x), qmodel(x))
+
+
+def test_a_saved_model_with_tables_loads_to_the_same_outputs(tmp_path: Path) -> None:
+    name = BACKENDS[0]
+    torch.manual_seed(0)
+    model = _Block().eval()
+    prepared = fxquant.prepare(model, (torch.randn(2, 3, 8, 8),))
+    fxquant.calibrate(prepared, [torch.randn(4, 3, 8, 8) for _ in range(3)], progress=False)
+    qmodel = fxquant.convert(prepared, backend=name)
+    loaded = fxquant.load(fxquant.save(qmodel, tmp_path / "artifact"), model)
+    assert len(_lookups(loaded)) == len(_lookups(qmodel)) > 0
+    x = torch.randn(3, 3, 8, 8)
+    assert torch.equal(loaded(x), qmodel(x))
