@@ -1,6 +1,7 @@
 """Float fused modules and the INT8 modules that replace them."""
 
 from fxquant.nn.fused import Fused, add_relu
+from fxquant.nn.lookup import QuantizedLookup
 from fxquant.nn.quantized import (
     DeQuantize,
     Quantize,
@@ -35,6 +36,7 @@ __all__ = [
     "QuantizedCat",
     "QuantizedMul",
     "QuantizedLinear",
+    "QuantizedLookup",
     "QuantizedReLU",
     "add_relu",
 ]
