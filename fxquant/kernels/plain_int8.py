@@ -246,6 +246,8 @@ class PlainInt8Backend(Backend):
         return a.view(torch.uint8)
 
     def lookup(self, a: torch.Tensor, table: torch.Tensor, qout: QParams) -> torch.Tensor:
+        if a.dtype not in (torch.uint8, torch.int8):  # the table reads raw bytes: another dtype would be misread
+            raise TypeError(f"an int8 lookup takes uint8/int8 activations, got {a.dtype}")
         if native.loops is not None and not torch.jit.is_tracing() and native.dense_format(a) is not None:
             out = native.lookup_into(torch.empty_like(a, dtype=torch.uint8), a, table)
         else:  # a traced model records torch ops; the table is the same

@@ -144,6 +144,8 @@ class _QuantizedDtypeBackend(Backend):
         return a.int_repr()
 
     def lookup(self, a: torch.Tensor, table: torch.Tensor, qout: QParams) -> torch.Tensor:
+        if a.dtype != torch.quint8:  # the table reads raw bytes: another dtype would be misread
+            raise TypeError(f"an int8 lookup on {self.name} takes quint8 activations, got {a.dtype}")
         scale, zp = qout.scalar()
         memory_format = native.dense_format(a)
         if native.loops is None or torch.jit.is_tracing() or memory_format is None:  # traced: torch ops, same table

@@ -143,16 +143,26 @@ def _unary_name(gm: fx.GraphModule, node: fx.Node) -> str | None:
     return _UNARY_FUNCTIONS.get(node.target) if len(node.args) == 1 else None
 
 
+def _quantized_chain(gm: fx.GraphModule, node: fx.Node) -> tuple[fx.Node, object, fx.Node, Quantize] | None:
+    """For ``quantize(node(source))`` where ``source`` and ``node`` each have that one reader: ``source``, its
+    module (None for a function), the quantize node and module; else None."""
+    source = node.args[0] if node.args else None
+    if not isinstance(source, fx.Node) or len(source.users) != 1 or len(node.users) != 1:
+        return None
+    quantize_node = next(iter(node.users))
+    quantize = _module(gm, quantize_node)
+    return (source, _module(gm, source), quantize_node, quantize) if isinstance(quantize, Quantize) else None
+
+
 def fuse_unary(gm: fx.GraphModule) -> fx.GraphModule:
     """Fold ``quantize(f(layer(x)))`` into the layer where its backend applies ``f`` inside the kernel."""
     for node in nodes_of(gm):
         unary = _unary_name(gm, node)
-        source = node.args[0] if node.args else None
-        if unary is None or not isinstance(source, fx.Node) or len(source.users) != 1 or len(node.users) != 1:
+        chain = _quantized_chain(gm, node) if unary is not None else None
+        if unary is None or chain is None:
             continue
-        layer, quantize_node = _module(gm, source), next(iter(node.users))
-        quantize = _module(gm, quantize_node)
-        if type(layer) not in _FLOAT_OUTPUT or not isinstance(quantize, Quantize):
+        source, layer, quantize_node, quantize = chain
+        if type(layer) not in _FLOAT_OUTPUT:
             continue
         assert isinstance(layer, (QuantizedLinear, QuantizedConvNd))
         fused = layer.backend.fused_linear_unary if isinstance(layer, QuantizedLinear) else \
@@ -179,13 +189,12 @@ def fuse_lookup(gm: fx.GraphModule) -> fx.GraphModule:
     modules = dict(gm.named_modules())
     for node in nodes_of(gm):
         function = elementwise_function(node, modules)
-        source = node.args[0] if node.args else None
-        if function is None or not isinstance(source, fx.Node) or len(source.users) != 1 or len(node.users) != 1:
+        chain = _quantized_chain(gm, node) if function is not None else None
+        if function is None or chain is None:
             continue
-        dequantize, quantize_node = _module(gm, source), next(iter(node.users))
-        quantize = _module(gm, quantize_node)
-        if not (isinstance(dequantize, DeQuantize) and isinstance(quantize, Quantize)) \
-                or dequantize.backend is not quantize.backend or dequantize.qp.per_channel or quantize.qp.per_channel:
+        source, dequantize, quantize_node, quantize = chain
+        if not isinstance(dequantize, DeQuantize) or dequantize.backend is not quantize.backend \
+                or dequantize.qp.per_channel or quantize.qp.per_channel:
             continue
         name = _free_name(gm, f"lookup_{node.name}")
         gm.add_submodule(name, QuantizedLookup(function, dequantize.qp, quantize.qp, quantize.backend))

@@ -191,3 +191,10 @@ def test_a_saved_model_with_tables_loads_to_the_same_outputs(tmp_path: Path) -> 
     assert len(_lookups(loaded)) == len(_lookups(qmodel)) > 0
     x = torch.randn(3, 3, 8, 8)
     assert torch.equal(loaded(x), qmodel(x))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_a_float_input_is_refused_not_misread(name: str) -> None:
+    lookup = QuantizedLookup(F.silu, _qp(0.05, 140), _qp(0.03, 30), get_backend(name))
+    with pytest.raises(TypeError, match="int8 lookup"):
+        lookup(torch.randn(2, 8))
