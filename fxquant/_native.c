@@ -444,12 +444,326 @@ static PyObject *lookup_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* patches_u8: a transposed conv whose kernel equals its stride (U-Net upsampling) as fbgemm's quantized Linear
+ * computes it, with each input position's output patch written straight to its place in the (N, OH, OW, C) output.
+ * fbgemm's own Linear needs a depth-to-space copy after it and runs these shapes (small C_in, many rows) at about
+ * half the speed of this loop; fbgemm's direct transposed kernel is faster still but wrong (fbgemm_transposed.py).
+ *
+ * Bit-identical to quantized::linear on fbgemm with a VNNI CPU (tests/kernels/test_patches_native.py): exact int32
+ * sums of u8*s8 products (vpdpbusd), minus the input zero point times each column's weight sum, then fbgemm's
+ * float-bias requantization: fma(bias, 1 / (s_x * s_w), float(acc)) * multiplier, rounded to nearest even,
+ * saturated to int16, plus the output zero point, saturated to [0, 255]. Weights per tensor with zero point 0.
+ * The weight comes packed as (ceil(K / 4), n_pad, 4) int8: four consecutive inputs of one output column together,
+ * zero beyond K and beyond the real columns; n_pad is a multiple of 16. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define PATCH_ROWS 6
+#define PATCH_BLOCKS 4
+
+typedef struct {
+    const int8_t *w;
+    const int32_t *colsum;
+    const float *bias;
+    int64_t k, n_pad, cout, direct;
+    float rcp, mult;
+    int zx, zo;
+    const int64_t *patch_offsets;
+} PatchArgs;
+
+/* Sixteen int32 sums of columns col..col+15 to output bytes, as fbgemm's requantization rounds them. */
+__attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m128i patch_requantize(
+    const PatchArgs *p, const __m512i acc, const int64_t col) {
+    const __m512i offset = _mm512_mullo_epi32(_mm512_set1_epi32(p->zx), _mm512_loadu_si512(p->colsum + col));
+    const __m512 f = _mm512_fmadd_ps(_mm512_loadu_ps(p->bias + col), _mm512_set1_ps(p->rcp),
+                                     _mm512_cvtepi32_ps(_mm512_sub_epi32(acc, offset)));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(f, _mm512_set1_ps(p->mult)));
+    /* fbgemm saturates to int16, adds the zero point, saturates to uint8; below -32768 the sum is negative either
+     * way (and cannot wrap: q >= INT32_MIN, zo >= 0), so only the upper bound needs its own step */
+    const __m512i sum = _mm512_add_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(32767)), _mm512_set1_epi32(p->zo));
+    return _mm512_cvtusepi32_epi8(_mm512_max_epi32(sum, _mm512_setzero_si512()));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void patch_tile(
+    const PatchArgs *p, const uint8_t *const *src, uint8_t *const *dst, uint8_t (*line)[2048], const int rows,
+    const int blocks, const int64_t col0) {
+    __m512i acc[PATCH_ROWS][PATCH_BLOCKS];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < blocks; c++)
+            acc[r][c] = _mm512_setzero_si512();
+    const int64_t full = p->k / 4, tail = p->k % 4;
+    for (int64_t kk = 0; kk < full + (tail != 0); kk++) {
+        const int8_t *wk = p->w + (kk * p->n_pad + col0) * 4;
+        __m512i b[PATCH_BLOCKS];
+        for (int c = 0; c < blocks; c++)
+            b[c] = _mm512_loadu_si512(wk + 64 * c);
+        for (int r = 0; r < rows; r++) {
+            int32_t four = 0;
+            if (kk < full)
+                memcpy(&four, src[r] + 4 * kk, 4);
+            else  /* the last inputs of a row: the missing bytes meet zero weights */
+                for (int64_t j = 0; j < tail; j++)
+                    four |= (int32_t)src[r][4 * kk + j] << (8 * j);
+            const __m512i a = _mm512_set1_epi32(four);
+            for (int c = 0; c < blocks; c++)
+                acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a, b[c]);
+        }
+    }
+    for (int c = 0; c < blocks; c++) {
+        const int64_t col = col0 + 16 * c;
+        for (int r = 0; r < rows; r++) {
+            const __m128i bytes = patch_requantize(p, acc[r][c], col);
+            if (p->direct)  /* 16 columns inside one patch: straight to the output */
+                _mm_storeu_si128((__m128i *)(dst[r] + p->patch_offsets[col / p->cout] + col % p->cout), bytes);
+            else
+                _mm_storeu_si128((__m128i *)(line[r] + col), bytes);
+        }
+    }
+}
+
+#define PATCH_CASE(R, B) case (R) * 8 + (B): patch_tile(p, src, dst, line, R, B, col0); break;
+#define PATCH_CASES(R) PATCH_CASE(R, 1) PATCH_CASE(R, 2) PATCH_CASE(R, 3) PATCH_CASE(R, 4)
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static void patches_vnni(
+    const PatchArgs *p, const uint8_t *x, const int64_t *dims, const int64_t *xs, uint8_t *out, const int64_t *os,
+    const int64_t *patch, const int64_t first) {
+    static __thread uint8_t line[PATCH_ROWS][2048];
+    const int64_t rows = dims[0] * dims[1] * dims[2], n_cols = patch[0] * patch[1] * p->cout;
+    /* the next row's position, counted on (divisions per row cost more than the row's products) */
+    int64_t n = first / (dims[1] * dims[2]), h = first / dims[2] % dims[1], w = first % dims[2];
+    for (int64_t row0 = first; row0 < rows; row0 += PATCH_ROWS) {
+        const int r_count = rows - row0 < PATCH_ROWS ? (int)(rows - row0) : PATCH_ROWS;
+        const uint8_t *src[PATCH_ROWS];
+        uint8_t *dst[PATCH_ROWS];
+        for (int r = 0; r < r_count; r++) {
+            src[r] = x + n * xs[0] + h * xs[1] + w * xs[2];
+            dst[r] = out + n * os[0] + h * patch[0] * os[1] + w * patch[1] * os[2];
+            if (++w == dims[2]) {
+                w = 0;
+                if (++h == dims[1]) {
+                    h = 0;
+                    n++;
+                }
+            }
+        }
+        for (int64_t col0 = 0; col0 < p->n_pad; col0 += 16 * PATCH_BLOCKS) {
+            const int64_t left = (p->n_pad - col0) / 16;
+            const int blocks = left < PATCH_BLOCKS ? (int)left : PATCH_BLOCKS;
+            switch (r_count * 8 + blocks) {
+                PATCH_CASES(1) PATCH_CASES(2) PATCH_CASES(3) PATCH_CASES(4) PATCH_CASES(5) PATCH_CASES(6)
+            }
+        }
+        if (!p->direct)
+            for (int r = 0; r < r_count; r++)
+                for (int64_t col = 0; col < n_cols; col += p->cout)
+                    memcpy(dst[r] + p->patch_offsets[col / p->cout], line[r] + col, (size_t)p->cout);
+    }
+}
+#define HAVE_VNNI_PATCHES 1
+
+/* With AMX-INT8 (Sapphire Rapids on), blocks of 32 rows x 32 columns are four 16x16 int32 tiles summed by
+ * tdpbusd (exact, like vpdpbusd) from two 16-row input tiles and two weight tiles; the sums go through the same
+ * requantization. Needs rows at one stride (a dense channels-last input), C_in a multiple of 4 and whole 16-column
+ * output blocks (C_out a multiple of 16); the last rows (fewer than 32) take the VNNI loop. Linux grants the tile
+ * state to a process on request (arch_prctl); where it does not, the VNNI loop does everything. */
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_usable(void) {
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned int a, b, c, d;
+        usable = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 25)) &&
+                 syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    }
+    return usable;
+}
+
+__attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) static void patches_amx(
+    const PatchArgs *p, const uint8_t *x, const int64_t row_stride, const int64_t rows, const int64_t *dims,
+    uint8_t *out, const int64_t *os, const int64_t *patch) {
+    int64_t chunk = 4;  /* the widest input chunk (<= 64 bytes, a multiple of 4) that divides C_in */
+    for (int64_t c = 64; c >= 4; c -= 4)
+        if (p->k % c == 0) {
+            chunk = c;
+            break;
+        }
+    TileConfig config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 4; t++) {  /* sums */
+        config.rows[t] = 16;
+        config.colsb[t] = 64;
+    }
+    for (int t = 4; t < 6; t++) {  /* inputs: 16 rows of one chunk */
+        config.rows[t] = 16;
+        config.colsb[t] = (uint16_t)chunk;
+    }
+    for (int t = 6; t < 8; t++) {  /* weights: chunk / 4 groups of four inputs x 16 columns */
+        config.rows[t] = (uint8_t)(chunk / 4);
+        config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    int32_t sums[4][16][16];
+    const int64_t w_stride = p->n_pad * 4;
+    int64_t n = 0, h = 0, w = 0;
+    for (int64_t row0 = 0; row0 + 32 <= rows; row0 += 32) {
+        uint8_t *dst[32];
+        for (int r = 0; r < 32; r++) {
+            dst[r] = out + n * os[0] + h * patch[0] * os[1] + w * patch[1] * os[2];
+            if (++w == dims[2]) {
+                w = 0;
+                if (++h == dims[1]) {
+                    h = 0;
+                    n++;
+                }
+            }
+        }
+        const uint8_t *a = x + row0 * row_stride;
+        for (int64_t col0 = 0; col0 < p->n_pad; col0 += 32) {
+            const int two = col0 + 32 <= p->n_pad;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k0 = 0; k0 < p->k; k0 += chunk) {
+                const int8_t *b = p->w + (k0 / 4) * w_stride + col0 * 4;
+                _tile_loadd(4, a + k0, row_stride);
+                _tile_loadd(5, a + 16 * row_stride + k0, row_stride);
+                _tile_loadd(6, b, w_stride);
+                _tile_dpbusd(0, 4, 6);
+                _tile_dpbusd(1, 5, 6);
+                if (two) {
+                    _tile_loadd(7, b + 64, w_stride);
+                    _tile_dpbusd(2, 4, 7);
+                    _tile_dpbusd(3, 5, 7);
+                }
+            }
+            _tile_stored(0, sums[0], 64);
+            _tile_stored(1, sums[1], 64);
+            if (two) {
+                _tile_stored(2, sums[2], 64);
+                _tile_stored(3, sums[3], 64);
+            }
+            for (int t = 0; t < (two ? 4 : 2); t++) {
+                const int64_t col = col0 + 16 * (t / 2);
+                const int64_t offset = p->patch_offsets[col / p->cout] + col % p->cout;
+                for (int r = 0; r < 16; r++)
+                    _mm_storeu_si128((__m128i *)(dst[16 * (t % 2) + r] + offset),
+                                     patch_requantize(p, _mm512_loadu_si512(sums[t][r]), col));
+            }
+        }
+    }
+    _tile_release();
+}
+#define HAVE_AMX_PATCHES 1
+#endif
+
+/* patches_u8(x, (N, H, W), x strides, K, w, colsum, bias, n_pad, C_out, rcp, multiplier, zx, zo, out, out strides,
+ * (kh, kw)): strides in bytes of the (N, H, W) dimensions, channels at stride 1 in both. Returns False (nothing
+ * written) where the CPU has no AVX512-VNNI: the caller keeps fbgemm's Linear. */
+static PyObject *patches_u8(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, w_addr, colsum_addr, bias_addr, out_addr;
+    int64_t dims[3], xs[3], os[3], patch[2], k, n_pad, cout, zx, zo;
+    double rcp, mult;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "K(LLL)(LLL)LKKKLLddLLK(LLL)(LL)", &x_addr, &dims[0], &dims[1], &dims[2], &xs[0],
+                          &xs[1], &xs[2], &k, &w_addr, &colsum_addr, &bias_addr, &n_pad, &cout, &rcp, &mult, &zx,
+                          &zo, &out_addr, &os[0], &os[1], &os[2], &patch[0], &patch[1]))
+        return NULL;
+    const int64_t n_cols = patch[0] * patch[1] * cout;
+    if (dims[0] < 0 || dims[1] < 0 || dims[2] < 0 || k < 1 || cout < 1 || patch[0] < 1 || patch[1] < 1 ||
+        n_pad % 16 || n_pad < n_cols || n_pad - n_cols >= 16 || n_pad > 2048 || zx < 0 || zx > 255 || zo < 0 ||
+        zo > 255) {
+        PyErr_SetString(PyExc_ValueError, "patches_u8: bad shape, packing or zero point");
+        return NULL;
+    }
+#ifdef HAVE_VNNI_PATCHES
+    if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
+        Py_RETURN_FALSE;
+    int64_t offsets[2048];
+    for (int64_t a = 0; a < patch[0]; a++)
+        for (int64_t b = 0; b < patch[1]; b++)
+            offsets[a * patch[1] + b] = a * os[1] + b * os[2];
+    const PatchArgs p = {(const int8_t *)(uintptr_t)w_addr, (const int32_t *)(uintptr_t)colsum_addr,
+                         (const float *)(uintptr_t)bias_addr, k, n_pad, cout, cout % 16 == 0, (float)rcp,
+                         (float)mult, (int)zx, (int)zo, offsets};
+    const uint8_t *x = (const uint8_t *)(uintptr_t)x_addr;
+    uint8_t *out = (uint8_t *)(uintptr_t)out_addr;
+    const int64_t rows = dims[0] * dims[1] * dims[2];
+    /* AMX for the whole 32-row blocks where the rows lie at one stride, VNNI for the rest */
+    const int uniform = xs[1] == xs[2] * dims[2] && (dims[0] < 2 || xs[0] == xs[1] * dims[1]);
+    const int64_t tiled = amx_usable() && uniform && p.direct && k % 4 == 0 ? rows / 32 * 32 : 0;
+    Py_BEGIN_ALLOW_THREADS
+    if (tiled)
+        patches_amx(&p, x, xs[2], tiled, dims, out, os, patch);
+    patches_vnni(&p, x, dims, xs, out, os, patch, tiled);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_TRUE;
+#else
+    (void)x_addr; (void)w_addr; (void)colsum_addr; (void)bias_addr; (void)out_addr; (void)rcp; (void)mult;
+    Py_RETURN_FALSE;
+#endif
+}
+
+/* copy_rows(src, src_stride, dst, dst_stride, rows, width): ``rows`` rows of ``width`` bytes. A channel concat of
+ * channels-last activations is one such copy per input (rows: the pixels, width: its channels); torch's cat on
+ * quantized tensors takes 3-8x longer at U-Net shapes. With AVX512-BW one masked 64-byte move per row up to 64
+ * bytes, 64-byte steps beyond. */
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,avx512bw"))) static void copy_rows_avx512(const uint8_t *src, int64_t ss, uint8_t *dst,
+                                                                          int64_t ds, int64_t rows, int64_t width) {
+    const int64_t full = width / 64, tail = width % 64;
+    const __mmask64 mask = tail ? (((__mmask64)1 << tail) - 1) : 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *s = src + r * ss;
+        uint8_t *d = dst + r * ds;
+        for (int64_t j = 0; j < full; j++)
+            _mm512_storeu_si512(d + 64 * j, _mm512_loadu_si512(s + 64 * j));
+        if (tail)
+            _mm512_mask_storeu_epi8(d + 64 * full, mask, _mm512_maskz_loadu_epi8(mask, s + 64 * full));
+    }
+}
+#define HAVE_AVX512_COPY 1
+#endif
+
+static PyObject *copy_rows(PyObject *self, PyObject *args) {
+    unsigned long long src_addr, dst_addr;
+    int64_t ss, ds, rows, width;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KLKLLL", &src_addr, &ss, &dst_addr, &ds, &rows, &width))
+        return NULL;
+    if (rows < 0 || width < 0) {
+        PyErr_SetString(PyExc_ValueError, "copy_rows: negative size");
+        return NULL;
+    }
+    const uint8_t *src = (const uint8_t *)(uintptr_t)src_addr;
+    uint8_t *dst = (uint8_t *)(uintptr_t)dst_addr;
+    Py_BEGIN_ALLOW_THREADS
+#ifdef HAVE_AVX512_COPY
+    if (__builtin_cpu_supports("avx512bw"))
+        copy_rows_avx512(src, ss, dst, ds, rows, width);
+    else
+#endif
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(dst + r * ds, src + r * ss, (size_t)width);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scan_f32", scan_f32, METH_VARARGS, "Min, max and grid counts of dense float32 values in one read."},
     {"quantize_f32", quantize_f32, METH_VARARGS, "float32 -> uint8/int8 with one scale and zero point (NCHW->NHWC)."},
     {"mean_u8", mean_u8, METH_VARARGS, "Rounded per-channel means of uint8 activations (global average pool)."},
     {"mul_u8", mul_u8, METH_VARARGS, "Product of two uint8 activations (b may broadcast), rounded once."},
     {"lookup_u8", lookup_u8, METH_VARARGS, "dst[i] = table[src[i]] over n bytes (a 256-entry table)."},
+    {"copy_rows", copy_rows, METH_VARARGS, "Copy rows of bytes between two strided 2-d layouts."},
+    {"patches_u8", patches_u8, METH_VARARGS, "A kernel == stride transposed conv as fbgemm's Linear, in place."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -5,6 +5,8 @@ Every caller keeps a torch path with the same results: the loops are speed, neve
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -28,9 +30,57 @@ def dense_format(a: torch.Tensor) -> torch.memory_format | None:
     return channels_last if channels_last is not None and a.is_contiguous(memory_format=channels_last) else None
 
 
+def concat(values: Sequence[torch.Tensor], dim: int,
+           empty: Callable[[list[int]], torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(values, dim)`` of one-byte activations by row copies (``_native.c``'s ``copy_rows``), or None
+    (nothing done) where the loops are missing, a trace records the torch op, or the layouts are not row-major or
+    channels-last with ``dim`` the channels. ``empty(shape)``: a contiguous output of the inputs' kind (quantized
+    dtypes carry their scale). torch's cat interleaves channels-last inputs one element at a time: 3-5x slower on
+    U-Net's skip concats."""
+    first = values[0] if values else None
+    if loops is None or first is None or torch.jit.is_tracing() or first.element_size() != 1:
+        return None
+    if any(v.dtype != first.dtype or v.dim() != first.dim() for v in values):
+        return None
+    dim %= first.dim()
+    channels_last = dim == 1 and first.dim() >= 3 and all(v.stride(1) == 1 or v.shape[1] == 1 for v in values)
+    views = [v.movedim(1, -1) for v in values] if channels_last else list(values)
+    axis = first.dim() - 1 if channels_last else dim
+    shape = list(views[0].shape)
+    if any(not v.is_contiguous() or list(v.shape[:axis] + v.shape[axis + 1:]) != shape[:axis] + shape[axis + 1:]
+           for v in views):
+        return None
+    shape[axis] = sum(v.shape[axis] for v in views)
+    out = empty(shape)
+    rows, out_width, offset = math.prod(shape[:axis]), math.prod(shape[axis:]), 0
+    for v in views:
+        width = math.prod(v.shape[axis:])
+        loops.copy_rows(v.data_ptr(), width, out.data_ptr() + offset, out_width, rows, width)
+        offset += width
+    return out.movedim(-1, 1) if channels_last else out
+
+
 def lookup_into(out: torch.Tensor, a: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """``out[i] = table[a[i]]`` over the raw bytes of ``a`` and ``out`` (same shape and dense format; uint8, int8 or
     quint8 storage), by the C loop; the caller checks that ``loops`` is there."""
     assert loops is not None and out.shape == a.shape and table.numel() == 256 and table.dtype == torch.uint8
     loops.lookup_u8(a.data_ptr(), out.data_ptr(), a.numel(), table.data_ptr())
     return out
+
+
+def patches_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_sums: torch.Tensor,
+                 bias: torch.Tensor, out_channels: int, factors: tuple[float, float], zero_points: tuple[int, int],
+                 kernel: tuple[int, int]) -> bool:
+    """A transposed conv with kernel == stride, as fbgemm's Linear computes it, written in place
+    (``_native.c``'s ``patches_u8``): ``a`` (N, C_in, H, W) and ``out`` (N, C_out, H * kh, W * kw), both with
+    channels at stride 1 (3-d tensors: a 1-d conv, ``kernel`` (1, k)). False where the CPU lacks AVX512-VNNI."""
+    assert loops is not None and a.stride(1) == 1 and out.stride(1) == 1 and a.element_size() == 1
+    if a.dim() == 3:  # a 1-d conv: one row of height 1
+        dims, a_strides, out_strides = (a.shape[0], 1, a.shape[2]), (a.stride(0), 0, a.stride(2)), \
+            (out.stride(0), 0, out.stride(2))
+    else:
+        dims, a_strides, out_strides = (a.shape[0], a.shape[2], a.shape[3]), (a.stride(0), a.stride(2), a.stride(3)), \
+            (out.stride(0), out.stride(2), out.stride(3))
+    return bool(loops.patches_u8(a.data_ptr(), dims, a_strides, a.shape[1], weight.data_ptr(),
+                                 column_sums.data_ptr(), bias.data_ptr(), weight.shape[1], out_channels, *factors,
+                                 *zero_points, out.data_ptr(), out_strides, kernel))

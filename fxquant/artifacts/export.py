@@ -9,6 +9,7 @@ are attached for the duration of the trace. The resulting file needs only torch 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import warnings
 from collections.abc import Iterator
@@ -29,11 +30,16 @@ _INSTEAD = "convert for 'fbgemm', 'qnnpack' or 'reference' (fxquant convert RUN_
 
 
 def _script_objects(value: Any) -> Iterator[torch.ScriptObject]:
+    """The TorchScript objects in a packed payload: itself, inside tuples/lists, or in a dataclass's fields (a
+    transposed conv's ``Transposed`` holds its packed Linear or conv)."""
     if isinstance(value, torch.ScriptObject):
         yield value
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from _script_objects(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _script_objects(getattr(value, field.name))
 
 
 @contextlib.contextmanager

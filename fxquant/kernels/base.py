@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from fxquant import native
 from fxquant.qparams import UINT8_RANGE, QParams
 from fxquant.qparams import dequantize as dequantize_weight
 
@@ -229,7 +230,8 @@ class Backend(ABC):
         """Concatenation requantized to ``qout``; this default goes through float, unless every input is on
         ``qout``'s grid already (convert gives a cat's inputs its qparams where it can): then it is a copy."""
         if all(same_grid(qp, qout) for qp in qps):
-            return torch.cat(values, dim)
+            out = native.concat(values, dim, lambda shape: torch.empty(shape, dtype=values[0].dtype))
+            return torch.cat(values, dim) if out is None else out
         return self.quantize(torch.cat([self.dequantize(v, qp) for v, qp in zip(values, qps, strict=True)], dim), qout)
 
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,

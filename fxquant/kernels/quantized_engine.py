@@ -27,7 +27,9 @@ from fxquant.kernels.fbgemm_transposed import (
     as_patches,
     depth_to_space,
     direct_conv_path,
+    native_patches,
     patch_linear,
+    requantize_factors,
     with_zero_channel,
 )
 from fxquant.kernels.registry import register_backend
@@ -193,9 +195,11 @@ class _QuantizedDtypeBackend(Backend):
         return _within(_q.mul(a, b, scale, zp), qout)
 
     def cat(self, values: list[torch.Tensor], qps: list[QParams], qout: QParams, dim: int) -> torch.Tensor:
-        if all(same_grid(qp, qout) for qp in qps):  # inputs already on the output's grid: torch.cat copies
-            return torch.cat(values, dim)
         scale, zp = qout.scalar()
+        if all(same_grid(qp, qout) for qp in qps):  # inputs already on the output's grid: a copy
+            out = native.concat(values, dim, lambda shape: torch._empty_affine_quantized(
+                shape, scale=scale, zero_point=zp, dtype=values[0].dtype))
+            return torch.cat(values, dim) if out is None else out
         return _within(_q.cat(values, dim, scale, zp), qout)
 
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
@@ -204,7 +208,11 @@ class _QuantizedDtypeBackend(Backend):
             rows, tiled = patch_linear(weight, bias, spec)
             with quantized_engine(self.engine):
                 packed = _q.linear_prepack(_weight_tensor(rows, w_qp), tiled)
-            return PackedWeight(self.name, Transposed(spec.dim, packed, patches=spec.stride))
+            scale, zp = w_qp.scalar()
+            loop = None  # the C loop computes what fbgemm's Linear computes on a VNNI CPU (exact 32-bit sums)
+            if self.engine == "fbgemm" and native.loops is not None and has_vnni() and zp == 0:
+                loop = native_patches(rows, tiled, scale, weight.shape[1])
+            return PackedWeight(self.name, Transposed(spec.dim, packed, patches=spec.stride, native=loop))
         keep = 0
         if self.engine == "fbgemm" and direct_conv_path(weight, spec):  # its direct kernel is wrong
             weight, bias, keep = with_zero_channel(weight, bias)
@@ -218,7 +226,10 @@ class _QuantizedDtypeBackend(Backend):
         t: Transposed = packed.payload
         scale, zp = out_qp.scalar()
         if t.patches:
-            return _within(depth_to_space(_q.linear(a.movedim(1, -1), t.packed, scale, zp), a, t), out_qp)
+            out = _native_patches(a, t, scale, zp)
+            if out is None:
+                out = depth_to_space(_q.linear(a.movedim(1, -1), t.packed, scale, zp), a, t)
+            return _within(out, out_qp)
         out = (_q.conv_transpose1d if t.dim == 1 else _q.conv_transpose2d)(a, t.packed, scale, zp)
         return _within(out[:, :t.keep] if t.keep else out, out_qp)
 
@@ -244,6 +255,26 @@ class _QuantizedDtypeBackend(Backend):
         if qout.scalar() != (scale, zp):  # a narrower range (7-bit activations) than the kernel's own output
             return super().fixed_range(a, function, qa, qout)
         return fn(a)
+
+
+def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> torch.Tensor | None:
+    """The upsampler by the C loop (fbgemm's Linear's results, written in place), or None: no loop for this layer,
+    a traced export (it records fbgemm's Linear), or an input whose channels are not at stride 1."""
+    loop = t.native
+    if loop is None or torch.jit.is_tracing() or a.dtype != torch.quint8 or a.stride(1) != 1:
+        return None
+    n, size = a.shape[0], [s * k for s, k in zip(a.shape[2:], t.patches, strict=True)]
+    if t.dim == 1:
+        out = torch._empty_affine_quantized([n, size[0], loop.out_channels], scale=scale, zero_point=zp,
+                                            dtype=torch.quint8).movedim(-1, 1)
+    else:
+        out = torch._empty_affine_quantized([n, loop.out_channels, *size], scale=scale, zero_point=zp,
+                                            dtype=torch.quint8, memory_format=torch.channels_last)
+    factors = requantize_factors(a.q_scale(), loop.weight_scale, scale)
+    kernel = (1, t.patches[0]) if t.dim == 1 else t.patches
+    done = native.patches_into(out, a, loop.weight, loop.column_sums, loop.bias, loop.out_channels, factors,
+                               (a.q_zero_point(), zp), (kernel[0], kernel[1]))
+    return out if done else None
 
 
 @functools.cache
