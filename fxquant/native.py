@@ -84,3 +84,19 @@ def patches_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, colum
     return bool(loops.patches_u8(a.data_ptr(), dims, a_strides, a.shape[1], weight.data_ptr(),
                                  column_sums.data_ptr(), bias.data_ptr(), weight.shape[1], out_channels, *factors,
                                  *zero_points, out.data_ptr(), out_strides, kernel))
+
+
+def conv_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_sums: torch.Tensor,
+              factors: tuple[torch.Tensor, torch.Tensor], c_pad: int, out_channels: int, geometry: tuple[
+                  tuple[int, int], tuple[int, int], tuple[int, int]], zero_points: tuple[int, int], relu: bool) -> bool:
+    """A 2-d conv as fbgemm computes it, on AMX tiles (``_native.c``'s ``conv_u8``): ``a`` (N, C, H, W) and ``out``
+    (N, C_out, Ho, Wo) with channels at stride 1; ``geometry``: kernel, stride and padding. False where the process
+    cannot use AMX (nothing written)."""
+    assert loops is not None and (a.stride(1) == 1 or a.shape[1] == 1) and out.stride(1) == 1
+    kernel, stride, padding = geometry
+    bias, multipliers = factors
+    return bool(loops.conv_u8(a.data_ptr(), (a.shape[0], a.shape[2], a.shape[3], a.shape[1]),
+                              (a.stride(0), a.stride(2), a.stride(3)), kernel, stride, padding, weight.data_ptr(),
+                              column_sums.data_ptr(), bias.data_ptr(), multipliers.data_ptr(), c_pad,
+                              weight.shape[1], out_channels, *zero_points, relu, out.data_ptr(),
+                              (out.shape[2], out.shape[3]), (out.stride(0), out.stride(2), out.stride(3))))

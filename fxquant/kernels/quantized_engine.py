@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from fxquant import native
 from fxquant.cpu import has_vnni
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight, same_grid
+from fxquant.kernels.fbgemm_conv_native import NativeConv, native_conv
 from fxquant.kernels.fbgemm_transposed import (
     Transposed,
     as_patches,
@@ -174,13 +175,17 @@ class _QuantizedDtypeBackend(Backend):
         with quantized_engine(self.engine):
             payload = prepack(_weight_tensor(weight, w_qp), bias, list(spec.stride), list(spec.padding),
                               list(spec.dilation), spec.groups)
-        return PackedWeight(self.name, (spec.dim, payload))
+        loop = native_conv(weight, w_qp, bias, spec) if self.engine == "fbgemm" else None  # fbgemm's bytes
+        return PackedWeight(self.name, (spec.dim, payload, loop))
 
     def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
              relu: bool) -> torch.Tensor:
-        dim, payload = packed.payload
+        dim, payload, loop = packed.payload
         scale, zp = out_qp.scalar()
-        return _within(_CONV_OPS[dim][2 if relu else 1](a, payload, scale, zp), out_qp)
+        out = None if loop is None else _native_conv(a, loop, scale, zp, relu)
+        if out is None:
+            out = _CONV_OPS[dim][2 if relu else 1](a, payload, scale, zp)
+        return _within(out, out_qp)
 
     def add(self, a: torch.Tensor, b: torch.Tensor, qa: QParams, qb: QParams, qout: QParams, *,
             relu: bool) -> torch.Tensor:
@@ -274,6 +279,23 @@ def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> to
     kernel = (1, t.patches[0]) if t.dim == 1 else t.patches
     done = native.patches_into(out, a, loop.weight, loop.column_sums, loop.bias, loop.out_channels, factors,
                                (a.q_zero_point(), zp), (kernel[0], kernel[1]))
+    return out if done else None
+
+
+def _native_conv(a: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
+    """The conv by the C loop on AMX tiles (fbgemm's results), or None: a traced export (it records fbgemm's conv),
+    an input whose channels are not at stride 1, or a process without AMX."""
+    if torch.jit.is_tracing() or a.dtype != torch.quint8 or a.dim() != 4 or (a.stride(1) != 1 and a.shape[1] > 1):
+        return None
+    spec = loop.spec
+    size = [(a.shape[2 + i] + 2 * spec.padding[i] - loop.weight_shape[i]) // spec.stride[i] + 1 for i in range(2)]
+    if min(size) < 1:
+        return None
+    out = torch._empty_affine_quantized([a.shape[0], loop.out_channels, *size], scale=scale, zero_point=zp,
+                                        dtype=torch.quint8, memory_format=torch.channels_last)
+    geometry = (loop.weight_shape, (spec.stride[0], spec.stride[1]), (spec.padding[0], spec.padding[1]))
+    done = native.conv_into(out, a, loop.weight, loop.column_sums, loop.factors(a.q_scale(), scale), loop.c_pad,
+                            loop.out_channels, geometry, (a.q_zero_point(), zp), relu)
     return out if done else None
 
 

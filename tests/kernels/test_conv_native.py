@@ -1,0 +1,126 @@
+"""fbgemm's 2-d convs on AMX tiles (``conv_u8``), against fbgemm's own conv, bit for bit.
+
+The loop must give fbgemm's bytes exactly (a traced export records fbgemm's conv): every geometry it takes - kernel
+sizes, strides, paddings wider than half the kernel, one input or output channel, channel counts that are not
+multiples of 4 or 16, output widths that leave partial 16-position blocks, an odd number of blocks - with and without
+ReLU and bias, zero points at both ends, and full-range inputs and weights (every u8*s8 pair sum beyond int16).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fxquant
+from fxquant import native
+from fxquant.cpu import has_amx_int8
+from fxquant.kernels.base import ConvSpec, PackedWeight
+from fxquant.kernels.fbgemm_conv_native import native_conv
+from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
+
+pytestmark = pytest.mark.skipif("fbgemm" not in available_backends(), reason="no fbgemm engine in this torch build")
+LOOP = native.loops is not None and has_amx_int8()  # elsewhere the backend keeps fbgemm's conv (tested below)
+
+
+def _weight_qp(channels: int, gen: torch.Generator) -> QParams:
+    scales = torch.rand(channels, generator=gen) * 0.01 + 1e-3
+    return QParams(scales, torch.zeros(channels, dtype=torch.long), *INT8_RANGE, axis=0)
+
+
+def _both(cin: int, cout: int, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
+          size: tuple[int, int], *, batch: int = 2, extreme: bool = False, relu: bool = True, bias: bool = True,
+          zero_points: tuple[int, int] = (37, 120), seed: int = 0,
+          layout: str = "channels_last") -> tuple[torch.Tensor, torch.Tensor, PackedWeight]:
+    """One conv through the C loop and through fbgemm's op (the same packed weight without the loop)."""
+    backend, gen = get_backend("fbgemm"), torch.Generator().manual_seed(seed)
+    if extreme:
+        q_w = (torch.randint(0, 2, (cout, cin, *kernel), generator=gen) * 255 - 128).to(torch.int8)
+        levels = torch.randint(0, 2, (batch, cin, *size), generator=gen) * 255
+    else:
+        q_w = torch.randint(-128, 128, (cout, cin, *kernel), generator=gen).to(torch.int8)
+        levels = torch.randint(0, 256, (batch, cin, *size), generator=gen)
+    in_qp = QParams(torch.tensor(0.02), torch.tensor(zero_points[0]), *UINT8_RANGE)
+    out_qp = QParams(torch.tensor(3.0 if extreme else 0.3), torch.tensor(zero_points[1]), *UINT8_RANGE)
+    a = backend.quantize((levels - zero_points[0]).float() * 0.02, in_qp).contiguous(memory_format=torch.channels_last)
+    if layout == "sliced":  # every other row and a column off: strides the loop's padded copy must follow
+        a = torch.cat([a, a], 2).contiguous(memory_format=torch.channels_last)[:, :, ::2, 1:]
+    elif layout == "contiguous":
+        a = a.contiguous()
+    spec = ConvSpec(2, stride, padding, (1, 1), 1, False, (0, 0))
+    b = torch.randn(cout, generator=gen) * 5 if bias else None
+    packed = backend.prepack_conv(q_w, _weight_qp(cout, gen), b, spec, in_qp=in_qp)
+    assert (packed.payload[2] is not None) == LOOP
+    op = dataclasses.replace(packed, payload=(*packed.payload[:2], None))
+    return (backend.conv(a, packed, in_qp, out_qp, relu=relu), backend.conv(a, op, in_qp, out_qp, relu=relu), packed)
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    assert (got.q_scale(), got.q_zero_point()) == (want.q_scale(), want.q_zero_point())
+    assert torch.equal(got.int_repr(), want.int_repr())
+
+
+# (C_in, C_out, kernel, stride, padding, input size)
+CASES = [
+    (3, 16, (3, 3), (1, 1), (1, 1), (16, 20)),  # an RGB stem: 4 padded channels, 12-byte kernel rows
+    (16, 16, (3, 3), (1, 1), (1, 1), (9, 33)),  # 33 positions per row: a block of one
+    (32, 16, (3, 3), (1, 1), (1, 1), (8, 8)),
+    (64, 64, (3, 3), (2, 2), (1, 1), (13, 11)),
+    (128, 32, (1, 1), (1, 1), (0, 0), (5, 7)),  # two 64-byte chunks
+    (3, 64, (7, 7), (2, 2), (3, 3), (23, 19)),  # a ResNet stem
+    (1, 1, (3, 3), (1, 1), (1, 1), (6, 6)),
+    (5, 17, (1, 3), (1, 2), (0, 1), (7, 9)),  # 17 outputs: a partial 16-channel block
+    (8, 70, (3, 1), (2, 1), (2, 0), (10, 5)),  # 70 outputs: an odd number of column blocks
+    (70, 24, (2, 2), (1, 1), (0, 0), (6, 6)),  # 72 padded channels: 48-byte chunks
+    (16, 2, (5, 5), (1, 1), (4, 4), (3, 4)),  # padding beyond half the kernel
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-k{c[2]}-s{c[3]}-p{c[4]}" for c in CASES])
+@pytest.mark.parametrize("extreme", [False, True])
+@pytest.mark.parametrize("relu", [False, True])
+def test_the_conv_loop_gives_fbgemm_bits(case: tuple, extreme: bool, relu: bool) -> None:
+    got, want, _ = _both(*case, extreme=extreme, relu=relu)
+    _same(got, want)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("layout", ["sliced", "contiguous"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("zero_points", [(0, 0), (255, 255), (128, 3)])
+def test_strided_inputs_no_bias_and_zero_points_at_the_ends(layout: str, bias: bool,
+                                                            zero_points: tuple[int, int]) -> None:
+    got, want, _ = _both(16, 32, (3, 3), (1, 1), (1, 1), (10, 21), layout=layout, bias=bias, zero_points=zero_points)
+    _same(got, want)
+
+
+def test_the_convs_it_does_not_take_keep_fbgemm() -> None:
+    spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1, False, (0, 0))
+    gen = torch.Generator().manual_seed(1)
+    weight, w_qp = torch.ones(8, 8, 3, 3, dtype=torch.int8), _weight_qp(8, gen)
+    per_tensor = QParams(torch.tensor(0.01), torch.tensor(0), *INT8_RANGE)
+    with_zero_points = dataclasses.replace(w_qp, zero_point=torch.ones(8, dtype=torch.long))
+    assert native_conv(weight, per_tensor, None, spec) is None
+    assert native_conv(weight, with_zero_points, None, spec) is None
+    assert native_conv(weight[:, :4], w_qp, None, dataclasses.replace(spec, groups=2)) is None
+    assert native_conv(weight, w_qp, None, dataclasses.replace(spec, dilation=(2, 2))) is None
+    assert native_conv(weight[..., 0], w_qp, None, dataclasses.replace(spec, dim=1)) is None
+    assert (native_conv(weight, w_qp, None, spec) is not None) == LOOP
+
+
+def test_an_exported_model_records_fbgemm_convs_and_computes_what_eager_does(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                          nn.Conv2d(16, 24, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(24, 5, 1)).eval()
+    prepared = fxquant.prepare(model, (torch.randn(2, 3, 20, 20),))
+    fxquant.calibrate(prepared, [torch.randn(4, 3, 20, 20) for _ in range(3)], progress=False)
+    qmodel = fxquant.convert(prepared, backend="fbgemm")
+    x = torch.randn(3, 3, 20, 20)
+    exported = torch.jit.load(str(fxquant.export(qmodel, tmp_path / "model.pt")))
+    assert "quantized::conv2d" in str(exported.inlined_graph)
+    assert torch.equal(exported(x), qmodel(x))
