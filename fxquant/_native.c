@@ -711,16 +711,17 @@ static PyObject *patches_u8(PyObject *self, PyObject *args) {
 #endif
 }
 
-/* conv_u8: a 2-d conv (groups 1, dilation 1) on AMX tiles, computing what fbgemm's quantized conv computes
+/* conv_u8: a conv (1, 2 or 3-d; groups 1, dilation 1) on AMX tiles, computing what fbgemm's quantized conv computes
  * (tests/kernels/test_conv_native.py compares them bit for bit): exact int32 sums of u8*s8 products, minus the
  * input zero point times each output channel's weight sum, then fbgemm's per-channel requantization:
  * (float(acc) + bias / (s_x * s_w)) * multiplier, rounded to nearest even, saturated to int16, plus the output zero
  * point, saturated to [0, 255] (to [zo, 255] with a fused ReLU). fbgemm builds an im2col copy per call and runs
- * few-channel convs slowly (3->16 3x3 on 64x64 at batch 8: 1.7 ms, 8 GMAC/s, here); this runs them as an implicit
+ * few-channel convs slowly (3->16 3x3 on 64x64 at batch 8: 1.8 ms, 8 GMAC/s, here); this runs them as an implicit
  * GEMM: the input is copied once into a buffer padded with its zero point (channels rounded up to a multiple of 4),
  * where one kernel row's inputs for one output position - kw * C_pad bytes - lie together, so each 16x16 int32
- * tile of output positions x channels sums kernel row by kernel row, 64 bytes at a time.
- * Weights: (kh * kw * C_pad / 4, n_pad, 4) int8, four consecutive (kernel column, channel) inputs of one output
+ * tile of output positions x channels sums kernel row by kernel row, up to 64 bytes at a time. Every shape is
+ * (N, D, H, W, C): a 2-d conv has depth 1, a 1-d conv height 1 too.
+ * Weights: (kd * kh * kw * C_pad / 4, n_pad, 4) int8, four consecutive (kernel column, channel) inputs of one output
  * channel together, zero for the padding channels and beyond C_out; n_pad a multiple of 16. */
 #ifdef HAVE_AMX_PATCHES
 typedef struct {
@@ -728,7 +729,7 @@ typedef struct {
     const int32_t *colsum;
     const float *bias;  /* bias / (s_x * s_w), per output channel, as fbgemm divides it */
     const float *mult;  /* s_x * s_w / s_out */
-    int64_t cp, n_pad, cout, kh, kw, sh, sw;
+    int64_t cp, n_pad, cout, kernel[3], stride[3];
     int zx, zo, relu;
 } ConvArgs;
 
@@ -741,38 +742,39 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m128i
     return _mm512_cvtusepi32_epi8(_mm512_max_epi32(sum, _mm512_set1_epi32(p->relu ? p->zo : 0)));
 }
 
-/* The input (N, H, W, C) at strides xs, into (N, H + 2 ph, W + 2 pw, C_pad) filled with the zero point around it
+/* The input (N, D, H, W, C) at strides xs into (N, D + 2 pd, H + 2 ph, W + 2 pw, C_pad), the zero point around it
  * and zeros in the padding channels (their weights are zero). */
 static void conv_pad(const uint8_t *x, const int64_t *dims, const int64_t *xs, const int64_t *pads, int64_t cp,
                      int zx, uint8_t *pad) {
-    const int64_t n_img = dims[0], h = dims[1], w = dims[2], c = dims[3];
-    const int64_t hp = h + 2 * pads[0], wp = w + 2 * pads[1], row = wp * cp;
-    for (int64_t n = 0; n < n_img; n++)
-        for (int64_t i = 0; i < hp; i++) {
-            uint8_t *dst = pad + (n * hp + i) * row;
-            const int64_t y = i - pads[0];
-            if (y < 0 || y >= h) {
-                memset(dst, zx, (size_t)row);
-                continue;
-            }
-            memset(dst, zx, (size_t)(pads[1] * cp));
-            memset(dst + (pads[1] + w) * cp, zx, (size_t)(pads[1] * cp));
-            const uint8_t *src = x + n * xs[0] + y * xs[1];
-            uint8_t *mid = dst + pads[1] * cp;
-            if (cp == c && xs[2] == c)
-                memcpy(mid, src, (size_t)(w * c));
-            else
-                for (int64_t j = 0; j < w; j++) {
-                    memcpy(mid + j * cp, src + j * xs[2], (size_t)c);
-                    memset(mid + j * cp + c, 0, (size_t)(cp - c));
+    const int64_t c = dims[4], dp = dims[1] + 2 * pads[0], hp = dims[2] + 2 * pads[1], wp = dims[3] + 2 * pads[2];
+    const int64_t row = wp * cp;
+    for (int64_t n = 0; n < dims[0]; n++)
+        for (int64_t z = 0; z < dp; z++)
+            for (int64_t i = 0; i < hp; i++) {
+                uint8_t *dst = pad + ((n * dp + z) * hp + i) * row;
+                const int64_t zz = z - pads[0], y = i - pads[1];
+                if (zz < 0 || zz >= dims[1] || y < 0 || y >= dims[2]) {
+                    memset(dst, zx, (size_t)row);
+                    continue;
                 }
-        }
+                memset(dst, zx, (size_t)(pads[2] * cp));
+                memset(dst + (pads[2] + dims[3]) * cp, zx, (size_t)(pads[2] * cp));
+                const uint8_t *src = x + n * xs[0] + zz * xs[1] + y * xs[2];
+                uint8_t *mid = dst + pads[2] * cp;
+                if (cp == c && xs[3] == c)
+                    memcpy(mid, src, (size_t)(dims[3] * c));
+                else
+                    for (int64_t j = 0; j < dims[3]; j++) {
+                        memcpy(mid + j * cp, src + j * xs[3], (size_t)c);
+                        memset(mid + j * cp + c, 0, (size_t)(cp - c));
+                    }
+            }
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static void conv_amx(
-    const ConvArgs *p, const uint8_t *pad, const int64_t *pdims /* N, Hp, Wp */, const int64_t *odims /* Ho, Wo */,
-    uint8_t *out, const int64_t *os) {
-    const int64_t span = p->kw * p->cp;  /* one kernel row's inputs for one output position */
+    const ConvArgs *p, const uint8_t *pad, const int64_t *pdims /* N, Dp, Hp, Wp */,
+    const int64_t *odims /* Do, Ho, Wo */, uint8_t *out, const int64_t *os /* n, d, h, w */) {
+    const int64_t span = p->kernel[2] * p->cp;  /* one kernel row's inputs for one output position */
     int64_t chunk = 4;
     for (int64_t c = 64; c >= 4; c -= 4)
         if (span % c == 0) {
@@ -796,19 +798,23 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static vo
     }
     _tile_loadconfig(&config);
     int32_t sums[4][16][16];
-    const int64_t ho = odims[0], wo = odims[1], per_row = (wo + 15) / 16, blocks = pdims[0] * ho * per_row;
-    const int64_t w_stride = p->n_pad * 4, a_stride = p->sw * p->cp, prow = pdims[2] * p->cp;
+    const int64_t wo = odims[2], per_row = (wo + 15) / 16, lines = pdims[0] * odims[0] * odims[1];
+    const int64_t blocks = lines * per_row, rows_per_plane = p->kernel[1], rows = p->kernel[0] * p->kernel[1];
+    const int64_t w_stride = p->n_pad * 4, a_stride = p->stride[2] * p->cp, prow = pdims[3] * p->cp;
+    const int64_t pplane = pdims[2] * prow;
     const __mmask16 tail_mask = (__mmask16)((1u << (p->cout % 16)) - 1);
     for (int64_t b = 0; b < blocks; b += 2) {
         const int two_rows = b + 1 < blocks;
-        int64_t n[2], oh[2], ow[2];
+        int64_t ow[2];
+        uint8_t *dst[2];
         const uint8_t *a[2];
         for (int r = 0; r < 1 + two_rows; r++) {
-            const int64_t block = b + r, line = block / per_row;
-            ow[r] = block % per_row * 16;
-            oh[r] = line % ho;
-            n[r] = line / ho;
-            a[r] = pad + ((n[r] * pdims[1] + oh[r] * p->sh) * pdims[2] + ow[r] * p->sw) * p->cp;
+            const int64_t line = (b + r) / per_row, oh = line % odims[1], od = line / odims[1] % odims[0];
+            const int64_t n = line / (odims[0] * odims[1]);
+            ow[r] = (b + r) % per_row * 16;
+            a[r] = pad + (((n * pdims[1] + od * p->stride[0]) * pdims[2] + oh * p->stride[1]) * pdims[3] +
+                          ow[r] * p->stride[2]) * p->cp;
+            dst[r] = out + n * os[0] + od * os[1] + oh * os[2] + ow[r] * os[3];
         }
         for (int64_t col0 = 0; col0 < p->n_pad; col0 += 32) {
             const int two_cols = col0 + 32 <= p->n_pad;
@@ -816,14 +822,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static vo
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int64_t i = 0; i < p->kh; i++)
+            for (int64_t k = 0; k < rows; k++) {  /* kernel rows: (depth, height) pairs */
+                const int64_t shift = k / rows_per_plane * pplane + k % rows_per_plane * prow;
                 for (int64_t k0 = 0; k0 < span; k0 += chunk) {
-                    const int8_t *wk = p->w + ((i * span + k0) / 4) * w_stride + col0 * 4;
-                    _tile_loadd(4, a[0] + i * prow + k0, a_stride);
+                    const int8_t *wk = p->w + ((k * span + k0) / 4) * w_stride + col0 * 4;
+                    _tile_loadd(4, a[0] + shift + k0, a_stride);
                     _tile_loadd(6, wk, w_stride);
                     _tile_dpbusd(0, 4, 6);
                     if (two_rows) {
-                        _tile_loadd(5, a[1] + i * prow + k0, a_stride);
+                        _tile_loadd(5, a[1] + shift + k0, a_stride);
                         _tile_dpbusd(1, 5, 6);
                     }
                     if (two_cols) {
@@ -833,6 +840,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static vo
                             _tile_dpbusd(3, 5, 7);
                     }
                 }
+            }
             _tile_stored(0, sums[0], 64);
             _tile_stored(1, sums[1], 64);
             _tile_stored(2, sums[2], 64);
@@ -843,13 +851,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static vo
                 if ((r && !two_rows) || col >= p->cout)
                     continue;
                 const int64_t valid = wo - ow[r] < 16 ? wo - ow[r] : 16;
-                uint8_t *dst = out + n[r] * os[0] + oh[r] * os[1] + ow[r] * os[2] + col;
                 for (int64_t i = 0; i < valid; i++) {
                     const __m128i bytes = conv_requantize(p, _mm512_loadu_si512(sums[t][i]), col);
                     if (col + 16 <= p->cout)
-                        _mm_storeu_si128((__m128i *)(dst + i * os[2]), bytes);
+                        _mm_storeu_si128((__m128i *)(dst[r] + i * os[3] + col), bytes);
                     else
-                        _mm_mask_storeu_epi8(dst + i * os[2], tail_mask, bytes);
+                        _mm_mask_storeu_epi8(dst[r] + i * os[3] + col, tail_mask, bytes);
                 }
             }
         }
@@ -858,42 +865,47 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static vo
 }
 #endif
 
-/* conv_u8(x, (N, H, W, C), x strides, (kh, kw), (sh, sw), (ph, pw), w, colsum, bias, mult, C_pad, n_pad, C_out, zx,
- * zo, relu, out, (Ho, Wo), out strides): strides of the (N, H, W) dimensions in bytes, channels at stride 1.
- * Returns False (nothing written) where AMX is not usable; the caller keeps fbgemm's conv. */
+/* conv_u8(x, (N, D, H, W, C), x strides, kernel, stride, padding, w, colsum, bias, mult, C_pad, n_pad, C_out, zx, zo,
+ * relu, out, (Do, Ho, Wo), out strides): triples over (depth, height, width); strides of the (N, D, H, W)
+ * dimensions in bytes, channels at stride 1. Returns False (nothing written) where AMX is not usable; the caller
+ * keeps fbgemm's conv. */
 static PyObject *conv_u8(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, colsum_addr, bias_addr, mult_addr, out_addr;
-    int64_t dims[4], xs[3], kernel[2], stride[2], pads[2], cp, n_pad, cout, zx, zo, odims[2], os[3];
+    int64_t dims[5], xs[4], kernel[3], stride[3], pads[3], cp, n_pad, cout, zx, zo, odims[3], os[4];
     int relu;
     (void)self;
-    if (!PyArg_ParseTuple(args, "K(LLLL)(LLL)(LL)(LL)(LL)KKKKLLLLLpK(LL)(LLL)", &x_addr, &dims[0], &dims[1], &dims[2],
-                          &dims[3], &xs[0], &xs[1], &xs[2], &kernel[0], &kernel[1], &stride[0], &stride[1], &pads[0],
-                          &pads[1], &w_addr, &colsum_addr, &bias_addr, &mult_addr, &cp, &n_pad, &cout, &zx, &zo,
-                          &relu, &out_addr, &odims[0], &odims[1], &os[0], &os[1], &os[2]))
+    if (!PyArg_ParseTuple(args, "K(LLLLL)(LLLL)(LLL)(LLL)(LLL)KKKKLLLLLpK(LLL)(LLLL)", &x_addr, &dims[0], &dims[1],
+                          &dims[2], &dims[3], &dims[4], &xs[0], &xs[1], &xs[2], &xs[3], &kernel[0], &kernel[1],
+                          &kernel[2], &stride[0], &stride[1], &stride[2], &pads[0], &pads[1], &pads[2], &w_addr,
+                          &colsum_addr, &bias_addr, &mult_addr, &cp, &n_pad, &cout, &zx, &zo, &relu, &out_addr,
+                          &odims[0], &odims[1], &odims[2], &os[0], &os[1], &os[2], &os[3]))
         return NULL;
-    if (dims[0] < 0 || dims[1] < 1 || dims[2] < 1 || dims[3] < 1 || kernel[0] < 1 || kernel[1] < 1 ||
-        stride[0] < 1 || stride[1] < 1 || pads[0] < 0 || pads[1] < 0 || cp % 4 || cp < dims[3] || n_pad % 16 ||
-        n_pad < cout || cout < 1 || zx < 0 || zx > 255 || zo < 0 || zo > 255 ||
-        odims[0] != (dims[1] + 2 * pads[0] - kernel[0]) / stride[0] + 1 ||
-        odims[1] != (dims[2] + 2 * pads[1] - kernel[1]) / stride[1] + 1 || odims[0] < 1 || odims[1] < 1) {
+    int bad = dims[0] < 0 || dims[4] < 1 || cp % 4 || cp < dims[4] || n_pad % 16 || n_pad < cout || cout < 1 ||
+              zx < 0 || zx > 255 || zo < 0 || zo > 255;
+    for (int i = 0; i < 3; i++)
+        bad |= dims[i + 1] < 1 || kernel[i] < 1 || stride[i] < 1 || pads[i] < 0 || odims[i] < 1 ||
+               odims[i] != (dims[i + 1] + 2 * pads[i] - kernel[i]) / stride[i] + 1;
+    if (bad) {
         PyErr_SetString(PyExc_ValueError, "conv_u8: bad shape, packing or zero point");
         return NULL;
     }
 #ifdef HAVE_AMX_PATCHES
     if (!amx_usable())
         Py_RETURN_FALSE;
-    const int64_t pdims[3] = {dims[0], dims[1] + 2 * pads[0], dims[2] + 2 * pads[1]};
-    /* tiles of the last positions read up to 16 strides past a row: slack after the buffer */
-    const size_t size = (size_t)(pdims[0] * pdims[1] * pdims[2] * cp + (16 * stride[1] + kernel[1]) * cp + 64);
+    const int64_t pdims[4] = {dims[0], dims[1] + 2 * pads[0], dims[2] + 2 * pads[1], dims[3] + 2 * pads[2]};
+    const size_t used = (size_t)(pdims[0] * pdims[1] * pdims[2] * pdims[3] * cp);
+    /* tiles of a row's last positions read up to 16 strides past it: slack after the buffer */
+    const size_t size = used + (size_t)((16 * stride[2] + kernel[2]) * cp + 64);
     uint8_t *pad = malloc(size);
     if (pad == NULL)
         return PyErr_NoMemory();
     const ConvArgs p = {(const int8_t *)(uintptr_t)w_addr, (const int32_t *)(uintptr_t)colsum_addr,
                         (const float *)(uintptr_t)bias_addr, (const float *)(uintptr_t)mult_addr, cp, n_pad, cout,
-                        kernel[0], kernel[1], stride[0], stride[1], (int)zx, (int)zo, relu};
+                        {kernel[0], kernel[1], kernel[2]}, {stride[0], stride[1], stride[2]}, (int)zx, (int)zo,
+                        relu};
     Py_BEGIN_ALLOW_THREADS
     conv_pad((const uint8_t *)(uintptr_t)x_addr, dims, xs, pads, cp, (int)zx, pad);
-    memset(pad + pdims[0] * pdims[1] * pdims[2] * cp, (int)zx, size - (size_t)(pdims[0] * pdims[1] * pdims[2] * cp));
+    memset(pad + used, (int)zx, size - used);
     conv_amx(&p, pad, pdims, odims, (uint8_t *)(uintptr_t)out_addr, os);
     Py_END_ALLOW_THREADS
     free(pad);

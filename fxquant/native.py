@@ -87,16 +87,24 @@ def patches_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, colum
 
 
 def conv_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_sums: torch.Tensor,
-              factors: tuple[torch.Tensor, torch.Tensor], c_pad: int, out_channels: int, geometry: tuple[
-                  tuple[int, int], tuple[int, int], tuple[int, int]], zero_points: tuple[int, int], relu: bool) -> bool:
-    """A 2-d conv as fbgemm computes it, on AMX tiles (``_native.c``'s ``conv_u8``): ``a`` (N, C, H, W) and ``out``
-    (N, C_out, Ho, Wo) with channels at stride 1; ``geometry``: kernel, stride and padding. False where the process
-    cannot use AMX (nothing written)."""
+              factors: tuple[torch.Tensor, torch.Tensor], c_pad: int, out_channels: int,
+              geometry: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], zero_points: tuple[int, int],
+              relu: bool) -> bool:
+    """A 1-, 2- or 3-d conv as fbgemm computes it, on AMX tiles (``_native.c``'s ``conv_u8``): ``a`` (N, C, *size)
+    and ``out`` (N, C_out, *out_size) with channels at stride 1; ``geometry``: kernel, stride and padding, one entry
+    per spatial dimension. False where the process cannot use AMX (nothing written)."""
     assert loops is not None and (a.stride(1) == 1 or a.shape[1] == 1) and out.stride(1) == 1
-    kernel, stride, padding = geometry
+    missing = 5 - a.dim()  # as (N, D, H, W, C): a 2-d conv has depth 1, a 1-d conv height 1 too
+
+    def full(values: tuple[int, ...], fill: int) -> tuple[int, int, int]:
+        padded = (fill,) * missing + tuple(values)
+        return padded[0], padded[1], padded[2]
+
+    kernel, stride, padding = (full(v, f) for v, f in zip(geometry, (1, 1, 0), strict=True))
+    size, x_strides = full(a.shape[2:], 1), full(a.stride()[2:], 0)
+    out_size, out_strides = full(out.shape[2:], 1), full(out.stride()[2:], 0)
     bias, multipliers = factors
-    return bool(loops.conv_u8(a.data_ptr(), (a.shape[0], a.shape[2], a.shape[3], a.shape[1]),
-                              (a.stride(0), a.stride(2), a.stride(3)), kernel, stride, padding, weight.data_ptr(),
-                              column_sums.data_ptr(), bias.data_ptr(), multipliers.data_ptr(), c_pad,
-                              weight.shape[1], out_channels, *zero_points, relu, out.data_ptr(),
-                              (out.shape[2], out.shape[3]), (out.stride(0), out.stride(2), out.stride(3))))
+    return bool(loops.conv_u8(a.data_ptr(), (a.shape[0], *size, a.shape[1]), (a.stride(0), *x_strides), kernel,
+                              stride, padding, weight.data_ptr(), column_sums.data_ptr(), bias.data_ptr(),
+                              multipliers.data_ptr(), c_pad, weight.shape[1], out_channels, *zero_points, relu,
+                              out.data_ptr(), out_size, (out.stride(0), *out_strides)))

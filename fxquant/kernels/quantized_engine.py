@@ -285,17 +285,18 @@ def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> to
 def _native_conv(a: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
     """The conv by the C loop on AMX tiles (fbgemm's results), or None: a traced export (it records fbgemm's conv),
     an input whose channels are not at stride 1, or a process without AMX."""
-    if torch.jit.is_tracing() or a.dtype != torch.quint8 or a.dim() != 4 or (a.stride(1) != 1 and a.shape[1] > 1):
-        return None
     spec = loop.spec
-    size = [(a.shape[2 + i] + 2 * spec.padding[i] - loop.weight_shape[i]) // spec.stride[i] + 1 for i in range(2)]
+    if torch.jit.is_tracing() or a.dtype != torch.quint8 or a.dim() != spec.dim + 2 or (
+            a.stride(1) != 1 and a.shape[1] > 1):
+        return None
+    kernel = loop.kernel[3 - spec.dim:]
+    size = [(a.shape[2 + i] + 2 * spec.padding[i] - kernel[i]) // spec.stride[i] + 1 for i in range(spec.dim)]
     if min(size) < 1:
         return None
-    out = torch._empty_affine_quantized([a.shape[0], loop.out_channels, *size], scale=scale, zero_point=zp,
-                                        dtype=torch.quint8, memory_format=torch.channels_last)
-    geometry = (loop.weight_shape, (spec.stride[0], spec.stride[1]), (spec.padding[0], spec.padding[1]))
+    shape = [a.shape[0], *size, loop.out_channels]  # allocated channels-last, as fbgemm returns its outputs
+    out = torch._empty_affine_quantized(shape, scale=scale, zero_point=zp, dtype=torch.quint8).movedim(-1, 1)
     done = native.conv_into(out, a, loop.weight, loop.column_sums, loop.factors(a.q_scale(), scale), loop.c_pad,
-                            loop.out_channels, geometry, (a.q_zero_point(), zp), relu)
+                            loop.out_channels, (kernel, spec.stride, spec.padding), (a.q_zero_point(), zp), relu)
     return out if done else None
 
 

@@ -1,7 +1,7 @@
-"""fbgemm's 2-d convs on AMX tiles (``conv_u8``), against fbgemm's own conv, bit for bit.
+"""fbgemm's convs on AMX tiles (``conv_u8``), against fbgemm's own conv, bit for bit.
 
-The loop must give fbgemm's bytes exactly (a traced export records fbgemm's conv): every geometry it takes - kernel
-sizes, strides, paddings wider than half the kernel, one input or output channel, channel counts that are not
+The loop must give fbgemm's bytes exactly (a traced export records fbgemm's conv): every geometry it takes - 1-, 2-
+and 3-d, kernel sizes, strides, paddings wider than half the kernel, one input or output channel, channel counts that are not
 multiples of 4 or 16, output widths that leave partial 16-position blocks, an odd number of blocks - with and without
 ReLU and bias, zero points at both ends, and full-range inputs and weights (every u8*s8 pair sum beyond int16).
 """
@@ -32,8 +32,8 @@ def _weight_qp(channels: int, gen: torch.Generator) -> QParams:
     return QParams(scales, torch.zeros(channels, dtype=torch.long), *INT8_RANGE, axis=0)
 
 
-def _both(cin: int, cout: int, kernel: tuple[int, int], stride: tuple[int, int], padding: tuple[int, int],
-          size: tuple[int, int], *, batch: int = 2, extreme: bool = False, relu: bool = True, bias: bool = True,
+def _both(cin: int, cout: int, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
+          size: tuple[int, ...], *, batch: int = 2, extreme: bool = False, relu: bool = True, bias: bool = True,
           zero_points: tuple[int, int] = (37, 120), seed: int = 0,
           layout: str = "channels_last") -> tuple[torch.Tensor, torch.Tensor, PackedWeight]:
     """One conv through the C loop and through fbgemm's op (the same packed weight without the loop)."""
@@ -46,12 +46,13 @@ def _both(cin: int, cout: int, kernel: tuple[int, int], stride: tuple[int, int],
         levels = torch.randint(0, 256, (batch, cin, *size), generator=gen)
     in_qp = QParams(torch.tensor(0.02), torch.tensor(zero_points[0]), *UINT8_RANGE)
     out_qp = QParams(torch.tensor(3.0 if extreme else 0.3), torch.tensor(zero_points[1]), *UINT8_RANGE)
-    a = backend.quantize((levels - zero_points[0]).float() * 0.02, in_qp).contiguous(memory_format=torch.channels_last)
+    a = backend.quantize((levels - zero_points[0]).float() * 0.02, in_qp)
+    if layout != "contiguous":  # channels last, as a conv before it returns it
+        a = a.movedim(1, -1).contiguous().movedim(-1, 1)
     if layout == "sliced":  # every other row and a column off: strides the loop's padded copy must follow
-        a = torch.cat([a, a], 2).contiguous(memory_format=torch.channels_last)[:, :, ::2, 1:]
-    elif layout == "contiguous":
-        a = a.contiguous()
-    spec = ConvSpec(2, stride, padding, (1, 1), 1, False, (0, 0))
+        a = torch.cat([a, a], 2).movedim(1, -1).contiguous().movedim(-1, 1)[:, :, ::2, 1:]
+    dim = len(kernel)
+    spec = ConvSpec(dim, stride, padding, (1,) * dim, 1, False, (0,) * dim)
     b = torch.randn(cout, generator=gen) * 5 if bias else None
     packed = backend.prepack_conv(q_w, _weight_qp(cout, gen), b, spec, in_qp=in_qp)
     assert (packed.payload[2] is not None) == LOOP
@@ -78,6 +79,10 @@ CASES = [
     (8, 70, (3, 1), (2, 1), (2, 0), (10, 5)),  # 70 outputs: an odd number of column blocks
     (70, 24, (2, 2), (1, 1), (0, 0), (6, 6)),  # 72 padded channels: 48-byte chunks
     (16, 2, (5, 5), (1, 1), (4, 4), (3, 4)),  # padding beyond half the kernel
+    (16, 32, (5,), (1,), (2,), (37,)),  # 1-d (audio)
+    (3, 8, (3,), (2,), (0,), (50,)),
+    (8, 16, (3, 3, 3), (1, 1, 1), (1, 1, 1), (4, 6, 7)),  # 3-d (video, volumes)
+    (4, 17, (1, 3, 2), (2, 1, 2), (0, 1, 1), (5, 4, 9)),
 ]
 
 
@@ -87,7 +92,7 @@ CASES = [
 def test_the_conv_loop_gives_fbgemm_bits(case: tuple, extreme: bool, relu: bool) -> None:
     got, want, _ = _both(*case, extreme=extreme, relu=relu)
     _same(got, want)
-    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert got.stride() == want.stride()  # channels last, as fbgemm returns it
 
 
 @pytest.mark.parametrize("layout", ["sliced", "contiguous"])
@@ -109,7 +114,7 @@ def test_the_convs_it_does_not_take_keep_fbgemm() -> None:
     assert native_conv(weight, with_zero_points, None, spec) is None
     assert native_conv(weight[:, :4], w_qp, None, dataclasses.replace(spec, groups=2)) is None
     assert native_conv(weight, w_qp, None, dataclasses.replace(spec, dilation=(2, 2))) is None
-    assert native_conv(weight[..., 0], w_qp, None, dataclasses.replace(spec, dim=1)) is None
+    assert native_conv(weight, w_qp, None, dataclasses.replace(spec, transposed=True)) is None
     assert (native_conv(weight, w_qp, None, spec) is not None) == LOOP
 
 
