@@ -1,17 +1,21 @@
-"""docs/backends.md runs as written: its Python blocks execute in order."""
+"""docs/backends.md and docs/fbgemm.md run as written: their Python blocks execute in order."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "backends.md"
+import pytest
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-def test_backends_doc_examples_run() -> None:
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) >= 2
+@pytest.mark.parametrize(("name", "least"), [("backends.md", 2), ("fbgemm.md", 1)])
+def test_backend_doc_examples_run(name: str, least: int) -> None:
+    doc = DOCS / name
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert len(blocks) >= least
     for index, block in enumerate(blocks):
         namespace: dict[str, object] = {}
-        exec(compile(block, f"{DOC.name}[python block {index}]", "exec"), namespace)
+        exec(compile(block, f"{doc.name}[python block {index}]", "exec"), namespace)
         assert "qmodel" in namespace, f"python block {index} should build a quantized model"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,7 @@ from fxquant.serialization import atomic_write
 from fxquant.state import quant_state
 
 FORMATS = ("torchscript",)
+EXTRA_FILE = "fxquant.json"  # in the TorchScript archive: {"engine": ...}, read with torch.jit.load(_extra_files=)
 _ATTR = "_fxquant_export_packed"
 _INSTEAD = "convert for 'fbgemm', 'qnnpack' or 'reference' (fxquant convert RUN_DIR --backend fbgemm) and export that"
 
@@ -77,10 +79,13 @@ def export(model: fx.GraphModule, path: str | Path, *, format: str = "torchscrip
     """Write the converted ``model`` as a TorchScript file that loads with plain ``torch.jit.load``.
 
     ``example_inputs`` defaults to random tensors of the shapes given to ``prepare``; the batch dimension stays
-    free. Example::
+    free. Load it under the engine it was made for (recorded in the file as ``fxquant.json``): torch re-packs the
+    weights at load time with the process's ``torch.backends.quantized.engine``. Example::
 
         fxquant.export(qmodel, "digits-int8.pt")
-        # elsewhere, with only torch installed:  torch.jit.load("digits-int8.pt")(images)
+        # elsewhere, with only torch installed:
+        torch.backends.quantized.engine = "fbgemm"
+        torch.jit.load("digits-int8.pt")(images)
     """
     if format not in FORMATS:
         raise InputError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
@@ -94,10 +99,13 @@ def export(model: fx.GraphModule, path: str | Path, *, format: str = "torchscrip
     if "onednn" in backends:  # checked before tracing: the trace would record the output buffers, not the layers
         raise ArtifactError("backend 'onednn' cannot be exported to TorchScript (its layers run oneDNN primitives "
                             f"that fxquant builds at run time, which a trace cannot record); {_INSTEAD}")
-    traced = _trace(model, example_inputs, state.backend or state.config.backend)
+    backend = state.backend or state.config.backend
+    traced = _trace(model, example_inputs, backend)
     buffer = io.BytesIO()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        torch.jit.save(traced, buffer)
+        # torch re-packs the weights at load time with the process's quantized engine (x86 by default, which runs
+        # some convs on oneDNN and rounds differently): the file says which engine it was made for
+        torch.jit.save(traced, buffer, _extra_files={EXTRA_FILE: json.dumps({"engine": backend})})
     atomic_write(path, buffer.getvalue())
     return Path(path)

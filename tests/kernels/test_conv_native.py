@@ -1,14 +1,16 @@
 """fbgemm's convs on AMX tiles (``conv_u8``), against fbgemm's own conv, bit for bit.
 
-The loop must give fbgemm's bytes exactly (a traced export records fbgemm's conv): every geometry it takes - 1-, 2-
-and 3-d, kernel sizes, strides, paddings wider than half the kernel, one input or output channel, channel counts that are not
-multiples of 4 or 16, output widths that leave partial 16-position blocks, an odd number of blocks - with and without
-ReLU and bias, zero points at both ends, and full-range inputs and weights (every u8*s8 pair sum beyond int16).
+The loop must give fbgemm's bytes exactly (a traced export records fbgemm's conv): every geometry it takes - 1-,
+2- and 3-d, kernel sizes, strides, paddings wider than half the kernel, one input or output channel, channel counts
+that are not multiples of 4 or 16, output widths that leave partial 16-position blocks, an odd number of blocks -
+with and without ReLU and bias, zero points at both ends, and full-range inputs and weights (every u8*s8 pair sum
+beyond int16).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from fxquant import native
 from fxquant.cpu import has_amx_int8
 from fxquant.kernels.base import ConvSpec, PackedWeight
 from fxquant.kernels.fbgemm_conv_native import native_conv
+from fxquant.kernels.quantized_engine import quantized_engine
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
 
@@ -126,6 +129,17 @@ def test_an_exported_model_records_fbgemm_convs_and_computes_what_eager_does(tmp
     fxquant.calibrate(prepared, [torch.randn(4, 3, 20, 20) for _ in range(3)], progress=False)
     qmodel = fxquant.convert(prepared, backend="fbgemm")
     x = torch.randn(3, 3, 20, 20)
-    exported = torch.jit.load(str(fxquant.export(qmodel, tmp_path / "model.pt")))
+    with quantized_engine("fbgemm"):  # torch re-packs the weights with the process's engine at load
+        exported = torch.jit.load(str(fxquant.export(qmodel, tmp_path / "model.pt")))
     assert "quantized::conv2d" in str(exported.inlined_graph)
     assert torch.equal(exported(x), qmodel(x))
+
+
+def test_the_exported_file_names_its_engine(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()).eval()
+    prepared = fxquant.prepare(model, (torch.randn(1, 3, 9, 9),))
+    fxquant.calibrate(prepared, [torch.randn(2, 3, 9, 9)], progress=False)
+    path = fxquant.export(fxquant.convert(prepared, backend="fbgemm"), tmp_path / "model.pt")
+    extra = {"fxquant.json": ""}
+    torch.jit.load(str(path), _extra_files=extra)
+    assert json.loads(extra["fxquant.json"]) == {"engine": "fbgemm"}
