@@ -711,39 +711,42 @@ static PyObject *patches_u8(PyObject *self, PyObject *args) {
 #endif
 }
 
-/* conv_u8: a conv (1, 2 or 3-d; groups 1, dilation 1) on AMX tiles, computing what fbgemm's quantized conv computes
- * (tests/kernels/test_conv_native.py compares them bit for bit): exact int32 sums of u8*s8 products, minus the
- * input zero point times each output channel's weight sum, then fbgemm's per-channel requantization:
- * (float(acc) + bias / (s_x * s_w)) * multiplier, rounded to nearest even, saturated to int16, plus the output zero
- * point, saturated to [0, 255] (to [zo, 255] with a fused ReLU). fbgemm builds an im2col copy per call and runs
+/* conv_u8: a conv (1, 2 or 3-d; groups 1, dilation 1) on AMX tiles, computing what fbgemm's (or qnnpack's) quantized
+ * conv computes (tests/kernels/test_conv_native.py compares them bit for bit): exact int32 sums of u8*s8 products,
+ * minus the input zero point times each output channel's weight sum, then the engine's per-channel requantization -
+ * fbgemm: (float(acc) + bias / (s_x * s_w)) * multiplier; qnnpack: float(acc + int32 bias) * multiplier - rounded to
+ * nearest even, saturated to int16, plus the output zero point, saturated to [0, 255] ([zo, 255] with a ReLU). fbgemm builds an im2col copy per call and runs
  * few-channel convs slowly (3->16 3x3 on 64x64 at batch 8: 1.8 ms, 8 GMAC/s, here); this runs them as an implicit
- * GEMM: the input is copied once into a buffer padded with its zero point (channels rounded up to a multiple of 4),
- * where one kernel row's inputs for one output position - kw * C_pad bytes - lie together, so each 16x16 int32
- * tile of output positions x channels sums kernel row by kernel row, up to 64 bytes at a time. Every shape is
- * (N, D, H, W, C): a 2-d conv has depth 1, a 1-d conv height 1 too.
- * Weights: (kd * kh * kw * C_pad / 4, n_pad, 4) int8, four consecutive (kernel column, channel) inputs of one output
- * channel together, zero for the padding channels and beyond C_out; n_pad a multiple of 16. */
+ * GEMM: the input is copied once into a buffer padded with its zero point, where one kernel row's inputs for one
+ * output position - kw * C bytes - lie together, so each 16x16 int32 tile of output positions x channels sums
+ * kernel row by kernel row, up to 64 bytes at a time. Every shape is (N, D, H, W, C): a 2-d conv has depth 1, a 1-d
+ * conv height 1 too. Weights: (kd * kh * ceil(kw * C / 4), n_pad, 4) int8, four consecutive (kernel column, channel)
+ * inputs of one output channel together, zero beyond each kernel row and beyond C_out; n_pad a multiple of 16. */
 #ifdef HAVE_AMX_PATCHES
 typedef struct {
     const int8_t *w;
     const int32_t *colsum;
-    const float *bias;  /* bias / (s_x * s_w), per output channel, as fbgemm divides it */
-    const float *mult;  /* s_x * s_w / s_out */
+    const int32_t *ibias; /* qnnpack: the bias rounded to int32 steps of s_x * s_w, added to the sums; else 0 */
+    const float *bias;  /* fbgemm: bias / (s_x * s_w), per output channel, as fbgemm divides it; else 0 */
+    const float *mult;  /* s_x * s_w / s_out (qnnpack: s_w * s_x * (1 / s_out)) */
     int64_t cp, n_pad, cout, kernel[3], stride[3];
     int zx, zo, relu;
 } ConvArgs;
 
 __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m128i conv_requantize(
     const ConvArgs *p, const __m512i acc, const int64_t col) {
+    /* one formula for both engines: fbgemm adds its bias in float (ibias 0), qnnpack in int32 (bias 0.0f, and
+     * adding 0.0f to a float changes nothing) */
     const __m512i offset = _mm512_mullo_epi32(_mm512_set1_epi32(p->zx), _mm512_loadu_si512(p->colsum + col));
-    const __m512 f = _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, offset)), _mm512_loadu_ps(p->bias + col));
+    const __m512i sums = _mm512_add_epi32(_mm512_sub_epi32(acc, offset), _mm512_loadu_si512(p->ibias + col));
+    const __m512 f = _mm512_add_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(p->bias + col));
     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(f, _mm512_loadu_ps(p->mult + col)));
     const __m512i sum = _mm512_add_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(32767)), _mm512_set1_epi32(p->zo));
     return _mm512_cvtusepi32_epi8(_mm512_max_epi32(sum, _mm512_set1_epi32(p->relu ? p->zo : 0)));
 }
 
-/* The input (N, D, H, W, C) at strides xs into (N, D + 2 pd, H + 2 ph, W + 2 pw, C_pad), the zero point around it
- * and zeros in the padding channels (their weights are zero). */
+/* The input (N, D, H, W, C) at strides xs into a dense (N, D + 2 pd, H + 2 ph, W + 2 pw, C), the zero point around
+ * it. */
 static void conv_pad(const uint8_t *x, const int64_t *dims, const int64_t *xs, const int64_t *pads, int64_t cp,
                      int zx, uint8_t *pad) {
     const int64_t c = dims[4], dp = dims[1] + 2 * pads[0], hp = dims[2] + 2 * pads[1], wp = dims[3] + 2 * pads[2];
@@ -761,20 +764,20 @@ static void conv_pad(const uint8_t *x, const int64_t *dims, const int64_t *xs, c
                 memset(dst + (pads[2] + dims[3]) * cp, zx, (size_t)(pads[2] * cp));
                 const uint8_t *src = x + n * xs[0] + zz * xs[1] + y * xs[2];
                 uint8_t *mid = dst + pads[2] * cp;
-                if (cp == c && xs[3] == c)
+                if (xs[3] == c)
                     memcpy(mid, src, (size_t)(dims[3] * c));
                 else
-                    for (int64_t j = 0; j < dims[3]; j++) {
+                    for (int64_t j = 0; j < dims[3]; j++)
                         memcpy(mid + j * cp, src + j * xs[3], (size_t)c);
-                        memset(mid + j * cp + c, 0, (size_t)(cp - c));
-                    }
             }
 }
 
 __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static void conv_amx(
     const ConvArgs *p, const uint8_t *pad, const int64_t *pdims /* N, Dp, Hp, Wp */,
     const int64_t *odims /* Do, Ho, Wo */, uint8_t *out, const int64_t *os /* n, d, h, w */) {
-    const int64_t span = p->kernel[2] * p->cp;  /* one kernel row's inputs for one output position */
+    /* one kernel row's inputs for one output position, rounded up to whole groups of four: the bytes beyond it (the
+     * next position's) meet zero weights */
+    const int64_t span = (p->kernel[2] * p->cp + 3) / 4 * 4;
     int64_t chunk = 4;
     for (int64_t c = 64; c >= 4; c -= 4)
         if (span % c == 0) {
@@ -870,17 +873,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static vo
  * dimensions in bytes, channels at stride 1. Returns False (nothing written) where AMX is not usable; the caller
  * keeps fbgemm's conv. */
 static PyObject *conv_u8(PyObject *self, PyObject *args) {
-    unsigned long long x_addr, w_addr, colsum_addr, bias_addr, mult_addr, out_addr;
+    unsigned long long x_addr, w_addr, colsum_addr, ibias_addr, bias_addr, mult_addr, out_addr;
     int64_t dims[5], xs[4], kernel[3], stride[3], pads[3], cp, n_pad, cout, zx, zo, odims[3], os[4];
     int relu;
     (void)self;
-    if (!PyArg_ParseTuple(args, "K(LLLLL)(LLLL)(LLL)(LLL)(LLL)KKKKLLLLLpK(LLL)(LLLL)", &x_addr, &dims[0], &dims[1],
+    if (!PyArg_ParseTuple(args, "K(LLLLL)(LLLL)(LLL)(LLL)(LLL)KKKKKLLLLLpK(LLL)(LLLL)", &x_addr, &dims[0], &dims[1],
                           &dims[2], &dims[3], &dims[4], &xs[0], &xs[1], &xs[2], &xs[3], &kernel[0], &kernel[1],
                           &kernel[2], &stride[0], &stride[1], &stride[2], &pads[0], &pads[1], &pads[2], &w_addr,
-                          &colsum_addr, &bias_addr, &mult_addr, &cp, &n_pad, &cout, &zx, &zo, &relu, &out_addr,
-                          &odims[0], &odims[1], &odims[2], &os[0], &os[1], &os[2], &os[3]))
+                          &colsum_addr, &ibias_addr, &bias_addr, &mult_addr, &cp, &n_pad, &cout, &zx, &zo, &relu,
+                          &out_addr, &odims[0], &odims[1], &odims[2], &os[0], &os[1], &os[2], &os[3]))
         return NULL;
-    int bad = dims[0] < 0 || dims[4] < 1 || cp % 4 || cp < dims[4] || n_pad % 16 || n_pad < cout || cout < 1 ||
+    int bad = dims[0] < 0 || dims[4] < 1 || cp != dims[4] || n_pad % 16 || n_pad < cout || cout < 1 ||
               zx < 0 || zx > 255 || zo < 0 || zo > 255;
     for (int i = 0; i < 3; i++)
         bad |= dims[i + 1] < 1 || kernel[i] < 1 || stride[i] < 1 || pads[i] < 0 || odims[i] < 1 ||
@@ -894,13 +897,13 @@ static PyObject *conv_u8(PyObject *self, PyObject *args) {
         Py_RETURN_FALSE;
     const int64_t pdims[4] = {dims[0], dims[1] + 2 * pads[0], dims[2] + 2 * pads[1], dims[3] + 2 * pads[2]};
     const size_t used = (size_t)(pdims[0] * pdims[1] * pdims[2] * pdims[3] * cp);
-    /* tiles of a row's last positions read up to 16 strides past it: slack after the buffer */
+    /* tiles of a row's last positions read up to 16 strides and a kernel row (rounded up) past it: slack after */
     const size_t size = used + (size_t)((16 * stride[2] + kernel[2]) * cp + 64);
     uint8_t *pad = malloc(size);
     if (pad == NULL)
         return PyErr_NoMemory();
     const ConvArgs p = {(const int8_t *)(uintptr_t)w_addr, (const int32_t *)(uintptr_t)colsum_addr,
-                        (const float *)(uintptr_t)bias_addr, (const float *)(uintptr_t)mult_addr, cp, n_pad, cout,
+                        (const int32_t *)(uintptr_t)ibias_addr, (const float *)(uintptr_t)bias_addr, (const float *)(uintptr_t)mult_addr, cp, n_pad, cout,
                         {kernel[0], kernel[1], kernel[2]}, {stride[0], stride[1], stride[2]}, (int)zx, (int)zo,
                         relu};
     Py_BEGIN_ALLOW_THREADS
@@ -911,7 +914,8 @@ static PyObject *conv_u8(PyObject *self, PyObject *args) {
     free(pad);
     Py_RETURN_TRUE;
 #else
-    (void)x_addr; (void)w_addr; (void)colsum_addr; (void)bias_addr; (void)mult_addr; (void)out_addr; (void)relu;
+    (void)x_addr; (void)w_addr; (void)colsum_addr; (void)ibias_addr; (void)bias_addr; (void)mult_addr;
+    (void)out_addr; (void)relu;
     Py_RETURN_FALSE;
 #endif
 }

@@ -15,6 +15,6 @@ def patches_u8(x_ptr: int, dims: tuple[int, int, int], x_strides: tuple[int, int
 def copy_rows(src_ptr: int, src_stride: int, dst_ptr: int, dst_stride: int, rows: int, width: int) -> None: ...
 def conv_u8(x_ptr: int, dims: tuple[int, int, int, int, int], x_strides: tuple[int, int, int, int],
             kernel: tuple[int, int, int], stride: tuple[int, int, int], padding: tuple[int, int, int], w_ptr: int,
-            column_sums_ptr: int, bias_ptr: int, multipliers_ptr: int, c_pad: int, n_pad: int, out_channels: int,
-            zx: int, zo: int, relu: bool, out_ptr: int, out_size: tuple[int, int, int],
+            column_sums_ptr: int, int_bias_ptr: int, bias_ptr: int, multipliers_ptr: int, c_pad: int, n_pad: int,
+            out_channels: int, zx: int, zo: int, relu: bool, out_ptr: int, out_size: tuple[int, int, int],
             out_strides: tuple[int, int, int, int]) -> bool: ...

@@ -87,12 +87,13 @@ def patches_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, colum
 
 
 def conv_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_sums: torch.Tensor,
-              factors: tuple[torch.Tensor, torch.Tensor], c_pad: int, out_channels: int,
+              factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out_channels: int,
               geometry: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], zero_points: tuple[int, int],
               relu: bool) -> bool:
-    """A 1-, 2- or 3-d conv as fbgemm computes it, on AMX tiles (``_native.c``'s ``conv_u8``): ``a`` (N, C, *size)
-    and ``out`` (N, C_out, *out_size) with channels at stride 1; ``geometry``: kernel, stride and padding, one entry
-    per spatial dimension. False where the process cannot use AMX (nothing written)."""
+    """A 1-, 2- or 3-d conv as fbgemm or qnnpack computes it, on AMX tiles (``_native.c``'s ``conv_u8``): ``a``
+    (N, C, *size) and ``out`` (N, C_out, *out_size) with channels at stride 1; ``factors``: int32 bias, float bias
+    and multiplier per channel; ``geometry``: kernel, stride and padding, one entry per spatial dimension. False
+    where the process cannot use AMX (nothing written)."""
     assert loops is not None and (a.stride(1) == 1 or a.shape[1] == 1) and out.stride(1) == 1
     missing = 5 - a.dim()  # as (N, D, H, W, C): a 2-d conv has depth 1, a 1-d conv height 1 too
 
@@ -103,8 +104,8 @@ def conv_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_s
     kernel, stride, padding = (full(v, f) for v, f in zip(geometry, (1, 1, 0), strict=True))
     size, x_strides = full(a.shape[2:], 1), full(a.stride()[2:], 0)
     out_size, out_strides = full(out.shape[2:], 1), full(out.stride()[2:], 0)
-    bias, multipliers = factors
+    int_bias, bias, multipliers = factors
     return bool(loops.conv_u8(a.data_ptr(), (a.shape[0], *size, a.shape[1]), (a.stride(0), *x_strides), kernel,
-                              stride, padding, weight.data_ptr(), column_sums.data_ptr(), bias.data_ptr(),
-                              multipliers.data_ptr(), c_pad, weight.shape[1], out_channels, *zero_points, relu,
-                              out.data_ptr(), out_size, (out.stride(0), *out_strides)))
+                              stride, padding, weight.data_ptr(), column_sums.data_ptr(), int_bias.data_ptr(),
+                              bias.data_ptr(), multipliers.data_ptr(), a.shape[1], weight.shape[1], out_channels,
+                              *zero_points, relu, out.data_ptr(), out_size, (out.stride(0), *out_strides)))

@@ -15,7 +15,6 @@ weights and requantization constants; the quantized tensors themselves are made 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -25,35 +24,63 @@ from fxquant.cpu import has_amx_int8
 from fxquant.kernels.base import ConvSpec
 from fxquant.qparams import QParams
 
+Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int32 bias, float bias, float multiplier per channel
+
 
 @dataclass(frozen=True)
 class NativeConv:
-    """A conv's weight for the C loop: ``weight`` (kd * kh * kw * c_pad / 4, n_pad, 4) int8 - four consecutive
-    (kernel column, channel) inputs of one output channel together, zeros for padding channels and beyond C_out;
+    """A conv's weight for the C loop: ``weight`` (kd * kh * ceil(kw * C_in / 4), n_pad, 4) int8 - four consecutive
+    (kernel column, channel) inputs of one output channel together, zeros beyond each kernel row and beyond C_out;
     per-output-channel weight sums (the input zero point's share), float bias and weight scales, zero-padded to
-    ``n_pad`` (a multiple of 16)."""
+    ``n_pad`` (a multiple of 16); ``engine``: whose requantization the bytes follow."""
 
     weight: torch.Tensor
     column_sums: torch.Tensor
     bias: torch.Tensor
     weight_scales: torch.Tensor
-    c_pad: int
+    in_channels: int
     out_channels: int
     spec: ConvSpec
     kernel: tuple[int, int, int]  # depth, height, width (1 for the dimensions a 1-d or 2-d conv lacks)
-    _factors: dict[tuple[float, float], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    engine: str = "fbgemm"
+    linear: bool = False  # a Linear run as a 1x1 conv over its rows
+    _factors: dict[tuple[float, float], Factors] = field(default_factory=dict, repr=False)
 
-    def factors(self, in_scale: float, out_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """fbgemm's per-channel requantization constants in float32, as it rounds them: ``bias / (s_x * s_w)`` and
-        ``(s_x * s_w) / s_out`` (cached per pair of scales: they are fixed once a model is converted)."""
+    def takes(self, positions: int) -> bool:
+        """Whether the loop beats the engine's own kernel for ``positions`` outputs per channel. Measured per layer
+        on one Sapphire Rapids core (``docs/fbgemm.md``): the loop costs ~15-20 us a call at the smallest sizes;
+        fbgemm's convs cost as much or more at every size tried, but its Linear is faster on few rows (16-row tiles
+        half empty: 1024 -> 1024 on 4 rows 29 against 33 us; on 8 rows 37 against 33 alone, but slower inside a
+        3-layer MLP whose 3 MB of weights stream from L3) and on tiny layers (256 -> 10 on 128 rows: 17 against
+        20 us); qnnpack's kernels only below ~2**17 multiply-adds (a 32 -> 64 1x1 conv on 4x4: 13 against 18 us)."""
+        macs = positions * self.out_channels * self.in_channels * self.kernel[0] * self.kernel[1] * self.kernel[2]
+        if self.engine == "qnnpack":
+            return macs >= 1 << 17
+        return not self.linear or (positions >= 16 and macs >= 1 << 20)
+
+    def factors(self, in_scale: float, out_scale: float) -> Factors:
+        """The engine's per-channel requantization constants, rounded as it rounds them (cached per pair of scales:
+        they are fixed once a model is converted). fbgemm adds ``bias / (s_x * s_w)`` in float and multiplies by
+        ``(s_x * s_w) / s_out``; qnnpack adds the bias rounded to int32 steps of ``s_x * s_w`` (torch's
+        ``quantize_per_channel``, as its ``QuantizeBias``) and multiplies by ``(s_w * s_x) * (1 / s_out)``."""
         key = (in_scale, out_scale)
         if key not in self._factors:
-            product = torch.tensor(in_scale, dtype=torch.float32) * self.weight_scales
-            self._factors[key] = (self.bias / product, product / torch.tensor(out_scale, dtype=torch.float32))
+            x_scale, o_scale = torch.tensor(in_scale, dtype=torch.float32), torch.tensor(out_scale, dtype=torch.float32)
+            zeros = torch.zeros_like(self.bias)
+            if self.engine == "qnnpack":
+                steps = self.weight_scales.double() * in_scale
+                rounded = torch.quantize_per_channel(self.bias, steps, torch.zeros_like(steps, dtype=torch.int32), 0,
+                                                     torch.qint32).int_repr()
+                multipliers = self.weight_scales * x_scale * (torch.tensor(1.0, dtype=torch.float32) / o_scale)
+                self._factors[key] = (rounded, zeros, multipliers)
+            else:
+                product = x_scale * self.weight_scales
+                self._factors[key] = (torch.zeros_like(self.column_sums), self.bias / product, product / o_scale)
         return self._factors[key]
 
 
-def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec) -> NativeConv | None:
+def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
+                engine: str = "fbgemm", linear: bool = False) -> NativeConv | None:
     """Lay out an int8 conv ``weight`` (C_out, C_in, *kernel) for the C loop, or None where the loop does not take
     it (grouped, dilated or transposed, weights per tensor or with zero points, no AMX, no C extension)."""
     if (native.loops is None or not has_amx_int8() or spec.groups != 1 or spec.transposed
@@ -61,9 +88,11 @@ def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, 
         return None
     out_channels, in_channels = weight.shape[:2]
     kernel = (1,) * (5 - weight.dim()) + tuple(weight.shape[2:])
-    c_pad, n_pad = -(-in_channels // 4) * 4, -(-out_channels // 16) * 16
-    padded = weight.new_zeros(n_pad, *kernel, c_pad)
-    padded[:out_channels, ..., :in_channels] = weight.reshape(out_channels, in_channels, *kernel).permute(0, 2, 3, 4, 1)
+    span = kernel[2] * in_channels  # one kernel row's inputs, (kernel column, channel), rounded up to groups of 4
+    span_pad, n_pad = -(-span // 4) * 4, -(-out_channels // 16) * 16
+    padded = weight.new_zeros(n_pad, kernel[0] * kernel[1], span_pad)
+    rows = weight.reshape(out_channels, in_channels, *kernel).permute(0, 2, 3, 4, 1)
+    padded[:out_channels, :, :span] = rows.reshape(out_channels, kernel[0] * kernel[1], span)
     sums = torch.zeros(n_pad, dtype=torch.int32)
     sums[:out_channels] = weight.reshape(out_channels, -1).sum(1, dtype=torch.int32)
     floats = torch.zeros(2, n_pad)
@@ -71,6 +100,6 @@ def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, 
         floats[0, :out_channels] = bias.detach().float()
     floats[1, :out_channels] = w_qp.scale.float()
     floats[1, out_channels:] = 1.0  # padding channels: any finite scale
-    packed = padded.reshape(n_pad, math.prod(kernel) * c_pad // 4, 4).transpose(0, 1).contiguous()
-    return NativeConv(packed, sums, floats[0].clone(), floats[1].clone(), c_pad, out_channels, spec,
-                      (kernel[0], kernel[1], kernel[2]))
+    packed = padded.reshape(n_pad, kernel[0] * kernel[1] * span_pad // 4, 4).transpose(0, 1).contiguous()
+    return NativeConv(packed, sums, floats[0].clone(), floats[1].clone(), in_channels, out_channels, spec,
+                      (kernel[0], kernel[1], kernel[2]), engine, linear)

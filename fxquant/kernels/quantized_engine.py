@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 _TOLD = False
 _DEPRECATION = r".*quantized tensor creation functions.*deprecated.*"
 _q = torch.ops.quantized
+_ROWS = ConvSpec(1, (1,), (0,), (1,), 1, False, (0,))  # a Linear as a 1x1 conv over its rows
 _CONV_OPS = {
     1: (_q.conv1d_prepack, _q.conv1d, _q.conv1d_relu),
     2: (_q.conv2d_prepack, _q.conv2d, _q.conv2d_relu),
@@ -161,13 +163,21 @@ class _QuantizedDtypeBackend(Backend):
                        in_qp: QParams | None = None) -> PackedWeight:
         with quantized_engine(self.engine):
             payload = _q.linear_prepack(_weight_tensor(weight, w_qp), bias)
-        return PackedWeight(self.name, payload)
+        # the engine's Linear is its 1x1 conv over the rows: the same sums and requantization
+        loop = native_conv(weight.unsqueeze(-1), w_qp, bias, _ROWS, engine=self.engine, linear=True)
+        return PackedWeight(self.name, (payload, loop))
 
     def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                relu: bool) -> torch.Tensor:
+        payload, loop = packed.payload
         scale, zp = out_qp.scalar()
-        op = _q.linear_relu if relu else _q.linear
-        return _within(op(a, packed.payload, scale, zp), out_qp)
+        out = None
+        if loop is not None and a.dim() >= 2 and loop.takes(a.numel() // a.shape[-1]) and a.is_contiguous():
+            rows = _native_conv(a.reshape(-1, a.shape[-1]).t().unsqueeze(0), loop, scale, zp, relu)  # positions
+            out = None if rows is None else rows[0].t().reshape(*a.shape[:-1], loop.out_channels)
+        if out is None:
+            out = (_q.linear_relu if relu else _q.linear)(a, payload, scale, zp)
+        return _within(out, out_qp)
 
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
@@ -175,7 +185,7 @@ class _QuantizedDtypeBackend(Backend):
         with quantized_engine(self.engine):
             payload = prepack(_weight_tensor(weight, w_qp), bias, list(spec.stride), list(spec.padding),
                               list(spec.dilation), spec.groups)
-        loop = native_conv(weight, w_qp, bias, spec) if self.engine == "fbgemm" else None  # fbgemm's bytes
+        loop = native_conv(weight, w_qp, bias, spec, engine=self.engine)  # the engine's own bytes, on AMX tiles
         return PackedWeight(self.name, (spec.dim, payload, loop))
 
     def conv(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
@@ -283,19 +293,21 @@ def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> to
 
 
 def _native_conv(a: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
-    """The conv by the C loop on AMX tiles (fbgemm's results), or None: a traced export (it records fbgemm's conv),
-    an input whose channels are not at stride 1, or a process without AMX."""
+    """The conv by the C loop on AMX tiles (the engine's results, channels-last), or None: a traced export (it
+    records the engine's conv), a size where the engine's kernel is faster, or a process without AMX. An input with
+    strided channels (fbgemm's 3-d convs return NCDHW) is made channels-last first, as the engine itself does."""
     spec = loop.spec
-    if torch.jit.is_tracing() or a.dtype != torch.quint8 or a.dim() != spec.dim + 2 or (
-            a.stride(1) != 1 and a.shape[1] > 1):
+    if torch.jit.is_tracing() or a.dtype != torch.quint8 or a.dim() != spec.dim + 2:
         return None
     kernel = loop.kernel[3 - spec.dim:]
     size = [(a.shape[2 + i] + 2 * spec.padding[i] - kernel[i]) // spec.stride[i] + 1 for i in range(spec.dim)]
-    if min(size) < 1:
+    if min(size) < 1 or not loop.takes(a.shape[0] * math.prod(size)):
         return None
-    shape = [a.shape[0], *size, loop.out_channels]  # allocated channels-last, as fbgemm returns its outputs
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        a = a.movedim(1, -1).contiguous().movedim(-1, 1)
+    shape = [a.shape[0], *size, loop.out_channels]  # allocated channels-last, as fbgemm returns its 2-d outputs
     out = torch._empty_affine_quantized(shape, scale=scale, zero_point=zp, dtype=torch.quint8).movedim(-1, 1)
-    done = native.conv_into(out, a, loop.weight, loop.column_sums, loop.factors(a.q_scale(), scale), loop.c_pad,
+    done = native.conv_into(out, a, loop.weight, loop.column_sums, loop.factors(a.q_scale(), scale),
                             loop.out_channels, (kernel, spec.stride, spec.padding), (a.q_zero_point(), zp), relu)
     return out if done else None
 
@@ -313,7 +325,7 @@ def _onednn_weight(packed: PackedWeight, backend: Backend) -> PackedWeight:
     """``packed``'s weight repacked for oneDNN, once (kept on ``packed``; only float-output Linears need it)."""
     repacked = getattr(packed, "_onednn", None)
     if repacked is None:
-        weight, bias = packed.payload.unpack()
+        weight, bias = packed.payload[0].unpack()
         if weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
             scale, zero_point = weight.q_per_channel_scales().float(), weight.q_per_channel_zero_points()
             w_qp = QParams(scale, zero_point, -128, 127, axis=0)

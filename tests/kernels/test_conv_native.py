@@ -1,4 +1,4 @@
-"""fbgemm's convs on AMX tiles (``conv_u8``), against fbgemm's own conv, bit for bit.
+"""fbgemm's and qnnpack's convs and Linears on AMX tiles (``conv_u8``), against the engines' own kernels, bit for bit.
 
 The loop must give fbgemm's bytes exactly (a traced export records fbgemm's conv): every geometry it takes - 1-,
 2- and 3-d, kernel sizes, strides, paddings wider than half the kernel, one input or output channel, channel counts
@@ -26,8 +26,9 @@ from fxquant.kernels.quantized_engine import quantized_engine
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
 
-pytestmark = pytest.mark.skipif("fbgemm" not in available_backends(), reason="no fbgemm engine in this torch build")
-LOOP = native.loops is not None and has_amx_int8()  # elsewhere the backend keeps fbgemm's conv (tested below)
+ENGINES = [name for name in ("fbgemm", "qnnpack") if name in available_backends()]
+pytestmark = pytest.mark.skipif("fbgemm" not in ENGINES, reason="no fbgemm engine in this torch build")
+LOOP = native.loops is not None and has_amx_int8()  # elsewhere the backends keep the engine's kernels (tested below)
 
 
 def _weight_qp(channels: int, gen: torch.Generator) -> QParams:
@@ -37,10 +38,10 @@ def _weight_qp(channels: int, gen: torch.Generator) -> QParams:
 
 def _both(cin: int, cout: int, kernel: tuple[int, ...], stride: tuple[int, ...], padding: tuple[int, ...],
           size: tuple[int, ...], *, batch: int = 2, extreme: bool = False, relu: bool = True, bias: bool = True,
-          zero_points: tuple[int, int] = (37, 120), seed: int = 0,
-          layout: str = "channels_last") -> tuple[torch.Tensor, torch.Tensor, PackedWeight]:
-    """One conv through the C loop and through fbgemm's op (the same packed weight without the loop)."""
-    backend, gen = get_backend("fbgemm"), torch.Generator().manual_seed(seed)
+          zero_points: tuple[int, int] = (37, 120), seed: int = 0, layout: str = "channels_last",
+          engine: str = "fbgemm") -> tuple[torch.Tensor, torch.Tensor, PackedWeight]:
+    """One conv through the C loop and through the engine's op (the same packed weight without the loop)."""
+    backend, gen = get_backend(engine), torch.Generator().manual_seed(seed)
     if extreme:
         q_w = (torch.randint(0, 2, (cout, cin, *kernel), generator=gen) * 255 - 128).to(torch.int8)
         levels = torch.randint(0, 2, (batch, cin, *size), generator=gen) * 255
@@ -92,8 +93,9 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-k{c[2]}-s{c[3]}-p{c[4]}" for c in CASES])
 @pytest.mark.parametrize("extreme", [False, True])
 @pytest.mark.parametrize("relu", [False, True])
-def test_the_conv_loop_gives_fbgemm_bits(case: tuple, extreme: bool, relu: bool) -> None:
-    got, want, _ = _both(*case, extreme=extreme, relu=relu)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_conv_loop_gives_the_engines_bits(case: tuple, extreme: bool, relu: bool, engine: str) -> None:
+    got, want, _ = _both(*case, extreme=extreme, relu=relu, engine=engine)
     _same(got, want)
     assert got.stride() == want.stride()  # channels last, as fbgemm returns it
 
@@ -101,10 +103,55 @@ def test_the_conv_loop_gives_fbgemm_bits(case: tuple, extreme: bool, relu: bool)
 @pytest.mark.parametrize("layout", ["sliced", "contiguous"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("zero_points", [(0, 0), (255, 255), (128, 3)])
-def test_strided_inputs_no_bias_and_zero_points_at_the_ends(layout: str, bias: bool,
-                                                            zero_points: tuple[int, int]) -> None:
-    got, want, _ = _both(16, 32, (3, 3), (1, 1), (1, 1), (10, 21), layout=layout, bias=bias, zero_points=zero_points)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_strided_inputs_no_bias_and_zero_points_at_the_ends(layout: str, bias: bool, zero_points: tuple[int, int],
+                                                            engine: str) -> None:
+    got, want, _ = _both(16, 32, (3, 3), (1, 1), (1, 1), (10, 21), layout=layout, bias=bias, zero_points=zero_points,
+                         engine=engine)
     _same(got, want)
+
+
+# (input shape, out features): rows enough for the loop, too few (the engine's Linear), a 3-d input
+LINEARS = [((40, 96), 48), ((3, 7, 64), 17), ((128, 256), 10), ((4, 1024), 64), ((1, 784), 256)]
+
+
+@pytest.mark.parametrize(("shape", "out_features"), LINEARS, ids=[f"{s}-{n}" for s, n in LINEARS])
+@pytest.mark.parametrize("extreme", [False, True])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_the_linear_loop_gives_the_engines_bits(shape: tuple[int, ...], out_features: int, extreme: bool,
+                                                engine: str) -> None:
+    backend, gen = get_backend(engine), torch.Generator().manual_seed(len(shape) + out_features)
+    high = 2 if extreme else 256
+    q_w = torch.randint(-128, 128, (out_features, shape[-1]), generator=gen).to(torch.int8)
+    levels = torch.randint(0, high, shape, generator=gen) * (255 if extreme else 1)
+    if extreme:
+        q_w = torch.where(q_w < 0, -128, 127).to(torch.int8)
+    in_qp = QParams(torch.tensor(0.02), torch.tensor(90), *UINT8_RANGE)
+    out_qp = QParams(torch.tensor(2.0 if extreme else 0.2), torch.tensor(30), *UINT8_RANGE)
+    a = backend.quantize((levels - 90).float() * 0.02, in_qp)
+    packed = backend.prepack_linear(q_w, _weight_qp(out_features, gen), torch.randn(out_features, generator=gen),
+                                    in_qp=in_qp)
+    payload, loop = packed.payload
+    assert (loop is not None) == LOOP
+    op = dataclasses.replace(packed, payload=(payload, None))
+    for relu in (False, True):
+        _same(backend.linear(a, packed, in_qp, out_qp, relu=relu), backend.linear(a, op, in_qp, out_qp, relu=relu))
+
+
+@pytest.mark.skipif(not LOOP, reason="the loop needs AMX-INT8 and the C extension")
+def test_the_loop_is_taken_where_measured_faster() -> None:
+    """fbgemm: every conv, Linears on 16+ rows; qnnpack: from ~2**17 multiply-adds (the engines' own kernels win
+    below: see ``NativeConv.takes``)."""
+    gen = torch.Generator().manual_seed(0)
+    spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1, False, (0, 0))
+    conv = native_conv(torch.ones(8, 8, 3, 3, dtype=torch.int8), _weight_qp(8, gen), None, spec)
+    qconv = native_conv(torch.ones(8, 8, 3, 3, dtype=torch.int8), _weight_qp(8, gen), None, spec, engine="qnnpack")
+    rows = dataclasses.replace(spec, dim=1, stride=(1,), padding=(0,), dilation=(1,), output_padding=(0,))
+    linear = native_conv(torch.ones(256, 512, 1, dtype=torch.int8), _weight_qp(256, gen), None, rows, linear=True)
+    assert conv is not None and qconv is not None and linear is not None
+    assert conv.takes(1)
+    assert not qconv.takes(16) and qconv.takes(4096)
+    assert not linear.takes(8) and linear.takes(16)
 
 
 def test_the_convs_it_does_not_take_keep_fbgemm() -> None:
