@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from fxquant import native
 from fxquant.cpu import has_vnni
+from fxquant.kernels.amx_conv import NativeConv, native_conv
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight, same_grid
-from fxquant.kernels.fbgemm_conv_native import NativeConv, native_conv
 from fxquant.kernels.fbgemm_transposed import (
     Transposed,
     as_patches,

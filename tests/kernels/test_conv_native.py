@@ -20,8 +20,8 @@ from torch import nn
 import fxquant
 from fxquant import native
 from fxquant.cpu import has_amx_int8
+from fxquant.kernels.amx_conv import native_conv
 from fxquant.kernels.base import ConvSpec, PackedWeight
-from fxquant.kernels.fbgemm_conv_native import native_conv
 from fxquant.kernels.quantized_engine import quantized_engine
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams

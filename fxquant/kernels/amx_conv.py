@@ -48,7 +48,7 @@ class NativeConv:
 
     def takes(self, positions: int) -> bool:
         """Whether the loop beats the engine's own kernel for ``positions`` outputs per channel. Measured per layer
-        on one Sapphire Rapids core (``docs/fbgemm.md``): the loop costs ~15-20 us a call at the smallest sizes;
+        on one Sapphire Rapids core (``docs/amx.md``): the loop costs ~15-20 us a call at the smallest sizes;
         fbgemm's convs cost as much or more at every size tried, but its Linear is faster on few rows (16-row tiles
         half empty: 1024 -> 1024 on 4 rows 29 against 33 us; on 8 rows 37 against 33 alone, but slower inside a
         3-layer MLP whose 3 MB of weights stream from L3) and on tiny layers (256 -> 10 on 128 rows: 17 against
