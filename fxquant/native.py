@@ -1,4 +1,5 @@
-"""The optional C loops (``fxquant/_native.c``), or None when fxquant was installed without a C compiler.
+"""The optional C loops (``fxquant/_native.c``), or None when fxquant was installed without a C compiler or the
+environment sets ``FXQUANT_NATIVE=0``.
 
 Every caller keeps a torch path with the same results: the loops are speed, never semantics.
 """
@@ -6,15 +7,20 @@ Every caller keeps a torch path with the same results: the loops are speed, neve
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
 
+DISABLE_ENV = "FXQUANT_NATIVE"  # "0": the torch (and engine) paths everywhere, e.g. to compare or to debug
+
 loops: ModuleType | None
 try:
     from fxquant import _native as loops
 except ImportError:  # no compiler at install time: the torch paths
+    loops = None
+if os.environ.get(DISABLE_ENV) == "0":
     loops = None
 
 

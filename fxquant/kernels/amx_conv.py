@@ -1,14 +1,18 @@
-"""fbgemm's convs on AMX tiles: the C loop ``conv_u8`` (``fxquant/_native.c``), bit-identical to fbgemm's conv.
+"""fbgemm's and qnnpack's convs and Linears on AMX tiles: the C loop ``conv_u8`` (``fxquant/_native.c``),
+bit-identical to the engine's own kernel.
 
 fbgemm builds an im2col copy of the input on every call and runs convs with few channels slowly on this kind of CPU
-(one thread, batch 8, 64x64: 3->16 3x3 in 1.7 ms, 8 GMAC/s; 32->16 in 2.2 ms; 64->64 on 56x56 at ~200 GMAC/s).
-With AMX-INT8 the C loop sums the same u8*s8 products exactly in int32 tiles straight from a zero-point-padded copy
-of the input, then requantizes as fbgemm does (per output channel: ``(float(acc - z_x * sum(w)) + bias / (s_x *
-s_w)) * (s_x * s_w / s_out)``, rounded to nearest even). Because the bytes are fbgemm's, a traced TorchScript export
-(which records fbgemm's conv: the loop is skipped while tracing) computes what the eager model computes.
+(one thread, batch 8, 64x64: 3->16 3x3 in 1.8 ms, 8 GMAC/s; 32->16 in 2.3 ms; 64->64 on 56x56 at ~200 GMAC/s);
+qnnpack's x86 kernels are SSE2 (ResNet-18 at batch 1: ~95 ms). With AMX-INT8 the C loop sums the same u8*s8
+products exactly in int32 tiles straight from a zero-point-padded copy of the input, then requantizes as the engine
+does, per output channel - fbgemm: ``(float(acc - z_x * sum(w)) + bias / (s_x * s_w)) * (s_x * s_w / s_out)``;
+qnnpack: ``float(acc - z_x * sum(w) + round(bias / (s_x * s_w))) * (s_w * s_x * (1 / s_out))`` - rounded to nearest
+even. Because the bytes are the engine's, a traced TorchScript export (which records the engine's ops: the loop is
+skipped while tracing) computes what the eager model computes.
 
-Taken for 1-, 2- and 3-d convs with groups 1, dilation 1, per-channel weights with zero point 0 (fxquant's fbgemm
-default) and channels-last inputs; everything else, and CPUs without AMX, keeps fbgemm's conv. This module lays out
+Taken for Linears (as 1x1 convs over their rows) and 1-, 2- and 3-d convs with groups 1, dilation 1 and
+per-channel weights with zero point 0 (fxquant's default), at sizes where it was measured faster
+(:meth:`NativeConv.takes`); everything else, and CPUs without AMX, keeps the engine's kernels. This module lays out
 weights and requantization constants; the quantized tensors themselves are made in
 :mod:`fxquant.kernels.quantized_engine`.
 """
@@ -46,14 +50,18 @@ class NativeConv:
     linear: bool = False  # a Linear run as a 1x1 conv over its rows
     _factors: dict[tuple[float, float], Factors] = field(default_factory=dict, repr=False)
 
+    def macs(self, positions: int) -> int:
+        return positions * self.out_channels * self.in_channels * self.kernel[0] * self.kernel[1] * self.kernel[2]
+
     def takes(self, positions: int) -> bool:
         """Whether the loop beats the engine's own kernel for ``positions`` outputs per channel. Measured per layer
         on one Sapphire Rapids core (``docs/amx.md``): the loop costs ~15-20 us a call at the smallest sizes;
-        fbgemm's convs cost as much or more at every size tried, but its Linear is faster on few rows (16-row tiles
+        fbgemm's convs cost as much (21 against 23 us for 16 -> 16 3x3 on 8x8) or more at every size tried
+        (``scripts/bench_amx_layers.py``), but its Linear is faster on few rows (16-row tiles
         half empty: 1024 -> 1024 on 4 rows 29 against 33 us; on 8 rows 37 against 33 alone, but slower inside a
         3-layer MLP whose 3 MB of weights stream from L3) and on tiny layers (256 -> 10 on 128 rows: 17 against
         20 us); qnnpack's kernels only below ~2**17 multiply-adds (a 32 -> 64 1x1 conv on 4x4: 13 against 18 us)."""
-        macs = positions * self.out_channels * self.in_channels * self.kernel[0] * self.kernel[1] * self.kernel[2]
+        macs = self.macs(positions)
         if self.engine == "qnnpack":
             return macs >= 1 << 17
         return not self.linear or (positions >= 16 and macs >= 1 << 20)

@@ -301,7 +301,8 @@ def _native_conv(a: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu:
         return None
     kernel = loop.kernel[3 - spec.dim:]
     size = [(a.shape[2 + i] + 2 * spec.padding[i] - kernel[i]) // spec.stride[i] + 1 for i in range(spec.dim)]
-    if min(size) < 1 or not loop.takes(a.shape[0] * math.prod(size)):
+    positions = a.shape[0] * math.prod(size)
+    if min(size) < 1 or not loop.takes(positions):
         return None
     if a.stride(1) != 1 and a.shape[1] > 1:
         a = a.movedim(1, -1).contiguous().movedim(-1, 1)

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,3 +193,12 @@ def test_the_exported_file_names_its_engine(tmp_path: Path) -> None:
     extra = {"fxquant.json": ""}
     torch.jit.load(str(path), _extra_files=extra)
     assert json.loads(extra["fxquant.json"]) == {"engine": "fbgemm"}
+
+
+
+def test_fxquant_native_0_turns_the_loops_off() -> None:
+    """The escape hatch documented in docs/amx.md: a process started with it runs the engines' kernels only."""
+    code = "import fxquant.native as n; print(n.loops is None)"
+    env = {**os.environ, "FXQUANT_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"

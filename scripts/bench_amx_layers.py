@@ -1,0 +1,89 @@
+"""Per-layer latency of fxquant's AMX loops (``fxquant.kernels.amx_conv``) against fbgemm's and qnnpack's own kernels.
+
+Each row times the backend's ``conv``/``linear`` on one prepacked layer twice, with the C loop and with the same
+packed weight without it (the engine's op), interleaved in one :func:`fxquant.report.latency.measure_latency` run so
+the ratio holds on a noisy machine. The loop runs on one thread; ``--threads`` sets the engines' threads. Linear rows
+on 1 row force the loop (fxquant keeps fbgemm's Linear there: these rows show why). Tables: ``docs/amx.md``.
+
+    python scripts/bench_amx_layers.py [--threads N] [--budget SECONDS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fxquant.cpu import has_amx_int8
+from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
+from fxquant.report.latency import measure_latency
+
+# (C_in, C_out, input size, kernel, stride, batch, note)
+CONVS = [(3, 16, 64, 3, 1, 1, "U-Net stem"), (3, 16, 64, 3, 1, 8, ""), (32, 16, 64, 3, 1, 8, "U-Net decoder"),
+         (64, 64, 16, 3, 1, 8, ""), (3, 64, 224, 7, 2, 1, "ResNet stem"), (64, 64, 56, 3, 1, 1, ""),
+         (64, 64, 56, 3, 1, 8, ""), (256, 256, 14, 3, 1, 1, ""), (64, 128, 56, 1, 2, 1, ""), (16, 16, 8, 3, 1, 1, "")]
+LINEARS = [(784, 256, 1), (1024, 1024, 1), (1024, 1024, 16), (768, 768, 128), (768, 3072, 128)]
+IN_QP = QParams(torch.tensor(0.02), torch.tensor(10), *UINT8_RANGE)
+OUT_QP = QParams(torch.tensor(0.3), torch.tensor(100), *UINT8_RANGE)
+
+
+def _weight_qp(channels: int) -> QParams:
+    return QParams(torch.rand(channels) * 0.01 + 1e-3, torch.zeros(channels, dtype=torch.long), *INT8_RANGE, axis=0)
+
+
+def _conv(backend: Backend, cin: int, cout: int, size: int, k: int, stride: int,
+          batch: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    weight = torch.randint(-128, 128, (cout, cin, k, k)).to(torch.int8)
+    a = backend.quantize(torch.randn(batch, cin, size, size), IN_QP).contiguous(memory_format=torch.channels_last)
+    spec = ConvSpec(2, (stride, stride), (k // 2, k // 2), (1, 1), 1, False, (0, 0))
+    packed = backend.prepack_conv(weight, _weight_qp(cout), torch.randn(cout), spec, in_qp=IN_QP)
+    op = dataclasses.replace(packed, payload=(*packed.payload[:2], None))
+    return (lambda: backend.conv(a, packed, IN_QP, OUT_QP, relu=True),
+            lambda: backend.conv(a, op, IN_QP, OUT_QP, relu=True))
+
+
+def _linear(backend: Backend, k: int, n: int, rows: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    a = backend.quantize(torch.randn(rows, k), IN_QP)
+    packed = backend.prepack_linear(torch.randint(-128, 128, (n, k)).to(torch.int8), _weight_qp(n), torch.randn(n),
+                                    in_qp=IN_QP)
+    payload, loop = packed.payload
+    forced = dataclasses.replace(packed, payload=(payload, dataclasses.replace(loop, linear=False)))
+    op = dataclasses.replace(packed, payload=(payload, None))
+    return (lambda: backend.linear(a, forced, IN_QP, OUT_QP, relu=True),
+            lambda: backend.linear(a, op, IN_QP, OUT_QP, relu=True))
+
+
+def _row(label: str, pair: tuple[Callable[[], Any], Callable[[], Any]], args: argparse.Namespace) -> str:
+    stats = measure_latency({"loop": pair[0], "engine": pair[1]}, time_budget_s=args.budget, threads=args.threads)
+    loop, engine = stats["loop"].median * 1e3, stats["engine"].median * 1e3
+    return f"| {label} | {loop:.0f} us | {engine:.0f} us | {loop / engine:.2f} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for the engines' kernels")
+    parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per row")
+    args = parser.parse_args()
+    if not has_amx_int8():
+        raise SystemExit("this CPU has no AMX-INT8: fxquant keeps the engines' kernels, nothing to compare")
+    torch.manual_seed(0)
+    for engine in [e for e in ("fbgemm", "qnnpack") if e in available_backends()]:
+        backend = get_backend(engine)
+        print(f"\n{engine}, {args.threads} thread(s) for the engine\n\n| conv, input | C loop | {engine} | ratio |\n"
+              "|---|---|---|---|")
+        for cin, cout, size, k, stride, batch, note in CONVS:
+            label = (f"{cin} -> {cout} {k}x{k}" + (f" stride {stride}" if stride > 1 else "")
+                     + f", {batch}x{cin}x{size}x{size}" + (f" ({note})" if note else ""))
+            print(_row(label, _conv(backend, cin, cout, size, k, stride, batch), args), flush=True)
+        print(f"\n| Linear, rows | C loop | {engine} | ratio |\n|---|---|---|---|")
+        for k, n, rows in LINEARS:
+            print(_row(f"{k} -> {n}, {rows} rows", _linear(backend, k, n, rows), args), flush=True)
+
+
+if __name__ == "__main__":
+    main()
