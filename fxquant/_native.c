@@ -866,7 +866,100 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static vo
     }
     _tile_release();
 }
+
+/* A Linear on a few rows (fewer than a 16-row tile fills) with AVX512-VNNI: up to 6 rows x 64 output channels of
+ * int32 sums in registers, four inputs per vpdpbusd, the weights streamed once per 6 rows; the same requantization
+ * as the tiles. x: rows of C bytes at stride xs; out: rows of C_out bytes at stride os. */
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void rows_tile(
+    const ConvArgs *p, const uint8_t *x, int64_t xs, uint8_t *out, int64_t os, const int rows, const int blocks,
+    const int64_t col0) {
+    __m512i acc[6][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < blocks; c++)
+            acc[r][c] = _mm512_setzero_si512();
+    const int64_t full = p->cp / 4, tail = p->cp % 4;
+    for (int64_t kk = 0; kk < full + (tail != 0); kk++) {
+        const int8_t *wk = p->w + (kk * p->n_pad + col0) * 4;
+        __m512i b[4];
+        for (int c = 0; c < blocks; c++)
+            b[c] = _mm512_loadu_si512(wk + 64 * c);
+        for (int r = 0; r < rows; r++) {
+            int32_t four = 0;
+            if (kk < full)
+                memcpy(&four, x + r * xs + 4 * kk, 4);
+            else  /* the row's last inputs: the missing bytes meet zero weights */
+                for (int64_t j = 0; j < tail; j++)
+                    four |= (int32_t)x[r * xs + 4 * kk + j] << (8 * j);
+            const __m512i a = _mm512_set1_epi32(four);
+            for (int c = 0; c < blocks; c++)
+                acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a, b[c]);
+        }
+    }
+    const __mmask16 tail_mask = (__mmask16)((1u << (p->cout % 16)) - 1);
+    for (int c = 0; c < blocks; c++) {
+        const int64_t col = col0 + 16 * c;
+        if (col >= p->cout)
+            break;
+        for (int r = 0; r < rows; r++) {
+            const __m128i bytes = conv_requantize(p, acc[r][c], col);
+            if (col + 16 <= p->cout)
+                _mm_storeu_si128((__m128i *)(out + r * os + col), bytes);
+            else
+                _mm_mask_storeu_epi8(out + r * os + col, tail_mask, bytes);
+        }
+    }
+}
+
+#define ROWS_CASE(R, B) case (R) * 8 + (B): rows_tile(p, x + row0 * xs, xs, out + row0 * os, os, R, B, col0); break;
+#define ROWS_CASES(R) ROWS_CASE(R, 1) ROWS_CASE(R, 2) ROWS_CASE(R, 3) ROWS_CASE(R, 4)
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void rows_vnni(
+    const ConvArgs *p, const uint8_t *x, int64_t rows, int64_t xs, uint8_t *out, int64_t os) {
+    for (int64_t row0 = 0; row0 < rows; row0 += 6) {
+        const int r_count = rows - row0 < 6 ? (int)(rows - row0) : 6;
+        for (int64_t col0 = 0; col0 < p->n_pad; col0 += 64) {
+            const int64_t left = (p->n_pad - col0) / 16;
+            const int blocks = left < 4 ? (int)left : 4;
+            switch (r_count * 8 + blocks) {
+                ROWS_CASES(1) ROWS_CASES(2) ROWS_CASES(3) ROWS_CASES(4) ROWS_CASES(5) ROWS_CASES(6)
+            }
+        }
+    }
+}
 #endif
+
+/* linear_rows_u8(x, rows, x row stride, C, w, colsum, int bias, bias, mult, n_pad, C_out, zx, zo, relu, out, out row
+ * stride): a Linear on rows of bytes with the conv loop's weights and requantization, by AVX512-VNNI (few rows,
+ * where 16-row AMX tiles would be mostly empty). Returns False (nothing written) without VNNI. */
+static PyObject *linear_rows_u8(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, w_addr, colsum_addr, ibias_addr, bias_addr, mult_addr, out_addr;
+    int64_t rows, xs, c, n_pad, cout, zx, zo, os;
+    int relu;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KLLLKKKKKLLLLpKL", &x_addr, &rows, &xs, &c, &w_addr, &colsum_addr, &ibias_addr,
+                          &bias_addr, &mult_addr, &n_pad, &cout, &zx, &zo, &relu, &out_addr, &os))
+        return NULL;
+    if (rows < 0 || c < 1 || n_pad % 16 || n_pad < cout || cout < 1 || zx < 0 || zx > 255 || zo < 0 || zo > 255) {
+        PyErr_SetString(PyExc_ValueError, "linear_rows_u8: bad shape, packing or zero point");
+        return NULL;
+    }
+#ifdef HAVE_AMX_PATCHES
+    if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
+        Py_RETURN_FALSE;
+    const ConvArgs p = {(const int8_t *)(uintptr_t)w_addr, (const int32_t *)(uintptr_t)colsum_addr,
+                        (const int32_t *)(uintptr_t)ibias_addr, (const float *)(uintptr_t)bias_addr,
+                        (const float *)(uintptr_t)mult_addr, c, n_pad, cout, {1, 1, 1}, {1, 1, 1}, (int)zx, (int)zo,
+                        relu};
+    Py_BEGIN_ALLOW_THREADS
+    rows_vnni(&p, (const uint8_t *)(uintptr_t)x_addr, rows, xs, (uint8_t *)(uintptr_t)out_addr, os);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_TRUE;
+#else
+    (void)x_addr; (void)w_addr; (void)colsum_addr; (void)ibias_addr; (void)bias_addr; (void)mult_addr;
+    (void)out_addr; (void)relu; (void)rows; (void)xs; (void)os;
+    Py_RETURN_FALSE;
+#endif
+}
 
 /* conv_u8(x, (N, D, H, W, C), x strides, kernel, stride, padding, w, colsum, bias, mult, C_pad, n_pad, C_out, zx, zo,
  * relu, out, (Do, Ho, Wo), out strides): triples over (depth, height, width); strides of the (N, D, H, W)
@@ -971,7 +1064,8 @@ static PyMethodDef methods[] = {
     {"mean_u8", mean_u8, METH_VARARGS, "Rounded per-channel means of uint8 activations (global average pool)."},
     {"mul_u8", mul_u8, METH_VARARGS, "Product of two uint8 activations (b may broadcast), rounded once."},
     {"lookup_u8", lookup_u8, METH_VARARGS, "dst[i] = table[src[i]] over n bytes (a 256-entry table)."},
-    {"conv_u8", conv_u8, METH_VARARGS, "A 2-d conv as fbgemm computes it, on AMX tiles."},
+    {"conv_u8", conv_u8, METH_VARARGS, "A conv as fbgemm or qnnpack computes it, on AMX tiles."},
+    {"linear_rows_u8", linear_rows_u8, METH_VARARGS, "A Linear on a few rows as fbgemm or qnnpack computes it."},
     {"copy_rows", copy_rows, METH_VARARGS, "Copy rows of bytes between two strided 2-d layouts."},
     {"patches_u8", patches_u8, METH_VARARGS, "A kernel == stride transposed conv as fbgemm's Linear, in place."},
     {NULL, NULL, 0, NULL},

@@ -18,3 +18,6 @@ def conv_u8(x_ptr: int, dims: tuple[int, int, int, int, int], x_strides: tuple[i
             column_sums_ptr: int, int_bias_ptr: int, bias_ptr: int, multipliers_ptr: int, c_pad: int, n_pad: int,
             out_channels: int, zx: int, zo: int, relu: bool, out_ptr: int, out_size: tuple[int, int, int],
             out_strides: tuple[int, int, int, int]) -> bool: ...
+def linear_rows_u8(x_ptr: int, rows: int, x_stride: int, in_channels: int, w_ptr: int, column_sums_ptr: int,
+                   int_bias_ptr: int, bias_ptr: int, multipliers_ptr: int, n_pad: int, out_channels: int, zx: int,
+                   zo: int, relu: bool, out_ptr: int, out_stride: int) -> bool: ...

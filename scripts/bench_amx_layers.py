@@ -2,8 +2,9 @@
 
 Each row times the backend's ``conv``/``linear`` on one prepacked layer twice, with the C loop and with the same
 packed weight without it (the engine's op), interleaved in one :func:`fxquant.report.latency.measure_latency` run so
-the ratio holds on a noisy machine. The loop runs on one thread; ``--threads`` sets the engines' threads. Linear rows
-on 1 row force the loop (fxquant keeps fbgemm's Linear there: these rows show why). Tables: ``docs/amx.md``.
+the ratio holds on a noisy machine. The loops run on one thread; ``--threads`` sets the engines' threads. Linears take
+AMX tiles from 16 rows and 2**20 multiply-adds, the VNNI row loop below (``NativeConv.takes``). Tables:
+``docs/amx.md``.
 
     python scripts/bench_amx_layers.py [--threads N] [--budget SECONDS]
 """
@@ -27,7 +28,8 @@ from fxquant.report.latency import measure_latency
 CONVS = [(3, 16, 64, 3, 1, 1, "U-Net stem"), (3, 16, 64, 3, 1, 8, ""), (32, 16, 64, 3, 1, 8, "U-Net decoder"),
          (64, 64, 16, 3, 1, 8, ""), (3, 64, 224, 7, 2, 1, "ResNet stem"), (64, 64, 56, 3, 1, 1, ""),
          (64, 64, 56, 3, 1, 8, ""), (256, 256, 14, 3, 1, 1, ""), (64, 128, 56, 1, 2, 1, ""), (16, 16, 8, 3, 1, 1, "")]
-LINEARS = [(784, 256, 1), (1024, 1024, 1), (1024, 1024, 16), (768, 768, 128), (768, 3072, 128)]
+LINEARS = [(784, 256, 1), (1024, 1024, 1), (1024, 1024, 8), (1024, 1024, 16), (768, 768, 128), (768, 3072, 128),
+           (256, 10, 128)]
 IN_QP = QParams(torch.tensor(0.02), torch.tensor(10), *UINT8_RANGE)
 OUT_QP = QParams(torch.tensor(0.3), torch.tensor(100), *UINT8_RANGE)
 
@@ -51,10 +53,8 @@ def _linear(backend: Backend, k: int, n: int, rows: int) -> tuple[Callable[[], A
     a = backend.quantize(torch.randn(rows, k), IN_QP)
     packed = backend.prepack_linear(torch.randint(-128, 128, (n, k)).to(torch.int8), _weight_qp(n), torch.randn(n),
                                     in_qp=IN_QP)
-    payload, loop = packed.payload
-    forced = dataclasses.replace(packed, payload=(payload, dataclasses.replace(loop, linear=False)))
-    op = dataclasses.replace(packed, payload=(payload, None))
-    return (lambda: backend.linear(a, forced, IN_QP, OUT_QP, relu=True),
+    op = dataclasses.replace(packed, payload=(packed.payload[0], None))
+    return (lambda: backend.linear(a, packed, IN_QP, OUT_QP, relu=True),
             lambda: backend.linear(a, op, IN_QP, OUT_QP, relu=True))
 
 
@@ -82,7 +82,8 @@ def main() -> None:
             print(_row(label, _conv(backend, cin, cout, size, k, stride, batch), args), flush=True)
         print(f"\n| Linear, rows | C loop | {engine} | ratio |\n|---|---|---|---|")
         for k, n, rows in LINEARS:
-            print(_row(f"{k} -> {n}, {rows} rows", _linear(backend, k, n, rows), args), flush=True)
+            path = "tiles" if rows >= 16 and rows * k * n >= 1 << 20 else "VNNI rows"
+            print(_row(f"{k} -> {n}, {rows} rows ({path})", _linear(backend, k, n, rows), args), flush=True)
 
 
 if __name__ == "__main__":

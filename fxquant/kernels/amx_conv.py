@@ -54,17 +54,15 @@ class NativeConv:
         return positions * self.out_channels * self.in_channels * self.kernel[0] * self.kernel[1] * self.kernel[2]
 
     def takes(self, positions: int) -> bool:
-        """Whether the loop beats the engine's own kernel for ``positions`` outputs per channel. Measured per layer
-        on one Sapphire Rapids core (``docs/amx.md``): the loop costs ~15-20 us a call at the smallest sizes;
-        fbgemm's convs cost as much (21 against 23 us for 16 -> 16 3x3 on 8x8) or more at every size tried
-        (``scripts/bench_amx_layers.py``), but its Linear is faster on few rows (16-row tiles
-        half empty: 1024 -> 1024 on 4 rows 29 against 33 us; on 8 rows 37 against 33 alone, but slower inside a
-        3-layer MLP whose 3 MB of weights stream from L3) and on tiny layers (256 -> 10 on 128 rows: 17 against
-        20 us); qnnpack's kernels only below ~2**17 multiply-adds (a 32 -> 64 1x1 conv on 4x4: 13 against 18 us)."""
-        macs = self.macs(positions)
-        if self.engine == "qnnpack":
-            return macs >= 1 << 17
-        return not self.linear or (positions >= 16 and macs >= 1 << 20)
+        """Whether the tile loop beats the engine's own conv for ``positions`` outputs per channel. Measured per
+        layer on one Sapphire Rapids core (``scripts/bench_amx_layers.py``, ``docs/amx.md``): the loop costs ~15-20
+        us a call at the smallest sizes; fbgemm's convs cost as much (21 against 23 us for 16 -> 16 3x3 on 8x8) or
+        more at every size tried; qnnpack's only below ~2**17 multiply-adds (a 32 -> 64 1x1 conv on 4x4: 13
+        against 18 us). A Linear takes the tiles from 16 rows and 2**20 multiply-adds and the VNNI row loop below
+        that (1024 -> 1024 on one row: 22 against fbgemm's 43 and qnnpack's 245 us; on 16-row tiles 46 us)."""
+        if self.linear:
+            return positions >= 16 and self.macs(positions) >= 1 << 20
+        return self.engine != "qnnpack" or self.macs(positions) >= 1 << 17
 
     def factors(self, in_scale: float, out_scale: float) -> Factors:
         """The engine's per-channel requantization constants, rounded as it rounds them (cached per pair of scales:

@@ -172,9 +172,14 @@ class _QuantizedDtypeBackend(Backend):
         payload, loop = packed.payload
         scale, zp = out_qp.scalar()
         out = None
-        if loop is not None and a.dim() >= 2 and loop.takes(a.numel() // a.shape[-1]) and a.is_contiguous():
-            rows = _native_conv(a.reshape(-1, a.shape[-1]).t().unsqueeze(0), loop, scale, zp, relu)  # positions
-            out = None if rows is None else rows[0].t().reshape(*a.shape[:-1], loop.out_channels)
+        if loop is not None and a.dim() >= 2 and a.is_contiguous() and not torch.jit.is_tracing():
+            rows = a.reshape(-1, a.shape[-1])
+            if loop.takes(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
+                tiles = _native_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
+                out = None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
+            else:
+                out = _native_rows(rows, loop, scale, zp, relu)
+                out = None if out is None else out.reshape(*a.shape[:-1], loop.out_channels)
         if out is None:
             out = (_q.linear_relu if relu else _q.linear)(a, payload, scale, zp)
         return _within(out, out_qp)
@@ -289,6 +294,17 @@ def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> to
     kernel = (1, t.patches[0]) if t.dim == 1 else t.patches
     done = native.patches_into(out, a, loop.weight, loop.column_sums, loop.bias, loop.out_channels, factors,
                                (a.q_zero_point(), zp), (kernel[0], kernel[1]))
+    return out if done else None
+
+
+def _native_rows(rows: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
+    """A Linear on a few ``rows`` by the VNNI row loop (the engine's results), or None on a CPU without VNNI."""
+    if rows.dtype != torch.quint8:
+        return None
+    out = torch._empty_affine_quantized([rows.shape[0], loop.out_channels], scale=scale, zero_point=zp,
+                                        dtype=torch.quint8)
+    done = native.linear_rows_into(out, rows, loop.weight, loop.column_sums, loop.factors(rows.q_scale(), scale),
+                                   loop.out_channels, (rows.q_zero_point(), zp), relu)
     return out if done else None
 
 

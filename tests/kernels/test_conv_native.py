@@ -114,8 +114,10 @@ def test_strided_inputs_no_bias_and_zero_points_at_the_ends(layout: str, bias: b
     _same(got, want)
 
 
-# (input shape, out features): rows enough for the loop, too few (the engine's Linear), a 3-d input
-LINEARS = [((40, 96), 48), ((3, 7, 64), 17), ((128, 256), 10), ((4, 1024), 64), ((1, 784), 256)]
+# (input shape, out features): AMX tiles (16+ rows, 2**20+ multiply-adds), the VNNI row loop (fewer rows, a tiny
+# layer), a 3-d input, C_out not a multiple of 16, C_in not a multiple of 4
+LINEARS = [((64, 256), 128), ((40, 96), 48), ((3, 7, 64), 17), ((128, 256), 10), ((4, 1024), 64), ((1, 784), 256),
+           ((5, 33), 20)]
 
 
 @pytest.mark.parametrize(("shape", "out_features"), LINEARS, ids=[f"{s}-{n}" for s, n in LINEARS])
