@@ -121,11 +121,12 @@ def linear_rows_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, c
                      factors: tuple[torch.Tensor, torch.Tensor, torch.Tensor], out_channels: int,
                      zero_points: tuple[int, int], relu: bool) -> bool:
     """A Linear on the rows of ``a`` (rows, C) into ``out`` (rows, C_out), both with unit column stride, with the
-    conv loop's weights and requantization, by AVX512-VNNI (``_native.c``'s ``linear_rows_u8``: for a few rows,
-    where 16-row AMX tiles would be mostly empty). False where the CPU lacks VNNI (nothing written)."""
+    conv loop's requantization and ``weight`` blocked by 64 channels (``NativeConv.row_weight``), by AVX512-VNNI
+    (``_native.c``'s ``linear_rows_u8``: for a few rows, where 16-row AMX tiles would be mostly empty). False where
+    the CPU lacks VNNI (nothing written)."""
     assert loops is not None and a.dim() == 2 and out.dim() == 2 and (a.stride(1) == 1 or a.shape[1] == 1)
     int_bias, bias, multipliers = factors
     return bool(loops.linear_rows_u8(a.data_ptr(), a.shape[0], a.stride(0), a.shape[1], weight.data_ptr(),
                                      column_sums.data_ptr(), int_bias.data_ptr(), bias.data_ptr(),
-                                     multipliers.data_ptr(), weight.shape[1], out_channels, *zero_points, relu,
+                                     multipliers.data_ptr(), column_sums.shape[0], out_channels, *zero_points, relu,
                                      out.data_ptr(), out.stride(0)))

@@ -48,6 +48,7 @@ class NativeConv:
     kernel: tuple[int, int, int]  # depth, height, width (1 for the dimensions a 1-d or 2-d conv lacks)
     engine: str = "fbgemm"
     linear: bool = False  # a Linear run as a 1x1 conv over its rows
+    row_weight: torch.Tensor | None = None  # a Linear's weight blocked by 64 channels for the VNNI row loop
     _factors: dict[tuple[float, float], Factors] = field(default_factory=dict, repr=False)
 
     def macs(self, positions: int) -> int:
@@ -56,10 +57,11 @@ class NativeConv:
     def takes(self, positions: int) -> bool:
         """Whether the tile loop beats the engine's own conv for ``positions`` outputs per channel. Measured per
         layer on one Sapphire Rapids core (``scripts/bench_amx_layers.py``, ``docs/amx.md``): the loop costs ~15-20
-        us a call at the smallest sizes; fbgemm's convs cost as much (21 against 23 us for 16 -> 16 3x3 on 8x8) or
+        us a call at the smallest sizes; fbgemm's convs cost as much (16 -> 16 3x3 on 8x8: 31 against 34 us) or
         more at every size tried; qnnpack's only below ~2**17 multiply-adds (a 32 -> 64 1x1 conv on 4x4: 13
         against 18 us). A Linear takes the tiles from 16 rows and 2**20 multiply-adds and the VNNI row loop below
-        that (1024 -> 1024 on one row: 22 against fbgemm's 43 and qnnpack's 245 us; on 16-row tiles 46 us)."""
+        that, where 16-row tiles are mostly empty (1024 -> 1024 on one row: 86 against fbgemm's 118 us, interleaved
+        with it; the same layer forced onto tiles was slower than fbgemm)."""
         if self.linear:
             return positions >= 16 and self.macs(positions) >= 1 << 20
         return self.engine != "qnnpack" or self.macs(positions) >= 1 << 17
@@ -107,5 +109,10 @@ def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, 
     floats[1, :out_channels] = w_qp.scale.float()
     floats[1, out_channels:] = 1.0  # padding channels: any finite scale
     packed = padded.reshape(n_pad, kernel[0] * kernel[1] * span_pad // 4, 4).transpose(0, 1).contiguous()
+    row_weight = None
+    if linear:  # (n / 64 blocks, K / 4, 64, 4): each 64-channel block's bytes in reading order
+        wide = padded.new_zeros(-(-out_channels // 64) * 64, span_pad)
+        wide[:out_channels] = padded[:out_channels, 0]
+        row_weight = wide.reshape(-1, 64, span_pad // 4, 4).transpose(1, 2).contiguous()
     return NativeConv(packed, sums, floats[0].clone(), floats[1].clone(), in_channels, out_channels, spec,
-                      (kernel[0], kernel[1], kernel[2]), engine, linear)
+                      (kernel[0], kernel[1], kernel[2]), engine, linear, row_weight)

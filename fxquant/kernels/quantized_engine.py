@@ -172,7 +172,9 @@ class _QuantizedDtypeBackend(Backend):
         payload, loop = packed.payload
         scale, zp = out_qp.scalar()
         out = None
-        if loop is not None and a.dim() >= 2 and a.is_contiguous() and not torch.jit.is_tracing():
+        # the loops run on one thread: with more, the engine's Linear (split over them) won at 2 (docs/amx.md)
+        if loop is not None and torch.get_num_threads() == 1 and a.dim() >= 2 and a.is_contiguous() and \
+                not torch.jit.is_tracing():
             rows = a.reshape(-1, a.shape[-1])
             if loop.takes(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
                 tiles = _native_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
@@ -299,11 +301,11 @@ def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> to
 
 def _native_rows(rows: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
     """A Linear on a few ``rows`` by the VNNI row loop (the engine's results), or None on a CPU without VNNI."""
-    if rows.dtype != torch.quint8:
+    if rows.dtype != torch.quint8 or loop.row_weight is None:
         return None
     out = torch._empty_affine_quantized([rows.shape[0], loop.out_channels], scale=scale, zero_point=zp,
                                         dtype=torch.quint8)
-    done = native.linear_rows_into(out, rows, loop.weight, loop.column_sums, loop.factors(rows.q_scale(), scale),
+    done = native.linear_rows_into(out, rows, loop.row_weight, loop.column_sums, loop.factors(rows.q_scale(), scale),
                                    loop.out_channels, (rows.q_zero_point(), zp), relu)
     return out if done else None
 

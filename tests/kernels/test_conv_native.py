@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -120,11 +122,24 @@ LINEARS = [((64, 256), 128), ((40, 96), 48), ((3, 7, 64), 17), ((128, 256), 10),
            ((5, 33), 20)]
 
 
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Linears take the loops on one thread only (with more, the engines' split Linears won at two)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(("shape", "out_features"), LINEARS, ids=[f"{s}-{n}" for s, n in LINEARS])
 @pytest.mark.parametrize("extreme", [False, True])
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_linear_loop_gives_the_engines_bits(shape: tuple[int, ...], out_features: int, extreme: bool,
-                                                engine: str) -> None:
+                                                engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+    for name in ("conv_into", "linear_rows_into"):
+        monkeypatch.setattr(native, name, _counting(getattr(native, name), name, ran))
     backend, gen = get_backend(engine), torch.Generator().manual_seed(len(shape) + out_features)
     high = 2 if extreme else 256
     q_w = torch.randint(-128, 128, (out_features, shape[-1]), generator=gen).to(torch.int8)
@@ -141,6 +156,33 @@ def test_the_linear_loop_gives_the_engines_bits(shape: tuple[int, ...], out_feat
     op = dataclasses.replace(packed, payload=(payload, None))
     for relu in (False, True):
         _same(backend.linear(a, packed, in_qp, out_qp, relu=relu), backend.linear(a, op, in_qp, out_qp, relu=relu))
+    rows = math.prod(shape[:-1])
+    tiles = rows >= 16 and rows * shape[-1] * out_features >= 1 << 20
+    assert ran == ([("conv_into" if tiles else "linear_rows_into")] * 2 if LOOP else [])
+
+
+@pytest.mark.parametrize("threads", [2])
+def test_linears_keep_the_engines_kernel_on_several_threads(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+    monkeypatch.setattr(native, "linear_rows_into", _counting(native.linear_rows_into, "rows", ran))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        backend = get_backend("fbgemm")
+        in_qp = QParams(torch.tensor(0.02), torch.tensor(90), *UINT8_RANGE)
+        packed = backend.prepack_linear(torch.ones(8, 64, dtype=torch.int8), _weight_qp(8, torch.Generator()), None,
+                                        in_qp=in_qp)
+        backend.linear(backend.quantize(torch.randn(2, 64), in_qp), packed, in_qp, in_qp, relu=False)
+    finally:
+        torch.set_num_threads(previous)
+    assert ran == []
+
+
+def _counting(fn: Callable[..., bool], name: str, ran: list[str]) -> Callable[..., bool]:
+    def counted(*args: object, **kwargs: object) -> bool:
+        ran.append(name)
+        return fn(*args, **kwargs)
+    return counted
 
 
 @pytest.mark.skipif(not LOOP, reason="the loop needs AMX-INT8 and the C extension")
