@@ -57,10 +57,10 @@ class NativeConv:
     def takes(self, positions: int) -> bool:
         """Whether the tile loop beats the engine's own conv for ``positions`` outputs per channel. Measured per
         layer on one Sapphire Rapids core (``scripts/bench_amx_layers.py``, ``docs/amx.md``): the loop costs ~15-20
-        us a call at the smallest sizes; fbgemm's convs cost as much (16 -> 16 3x3 on 8x8: 31 against 34 us) or
+        us a call at the smallest sizes; fbgemm's convs cost as much (16 -> 16 3x3 on 8x8: 32 against 35 us) or
         more at every size tried; qnnpack's only below ~2**17 multiply-adds (a 32 -> 64 1x1 conv on 4x4: 13
         against 18 us). A Linear takes the tiles from 16 rows and 2**20 multiply-adds and the VNNI row loop below
-        that, where 16-row tiles are mostly empty (1024 -> 1024 on one row: 86 against fbgemm's 118 us, interleaved
+        that, where 16-row tiles are mostly empty (1024 -> 1024 on one row: 83 against fbgemm's 126 us, interleaved
         with it; the same layer forced onto tiles was slower than fbgemm)."""
         if self.linear:
             return positions >= 16 and self.macs(positions) >= 1 << 20

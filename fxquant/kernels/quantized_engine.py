@@ -172,9 +172,10 @@ class _QuantizedDtypeBackend(Backend):
         payload, loop = packed.payload
         scale, zp = out_qp.scalar()
         out = None
-        # the loops run on one thread: with more, the engine's Linear (split over them) won at 2 (docs/amx.md)
-        if loop is not None and torch.get_num_threads() == 1 and a.dim() >= 2 and a.is_contiguous() and \
-                not torch.jit.is_tracing():
+        # the loops run on one thread: with more, fbgemm's Linear (split over them) won at 2 (docs/amx.md);
+        # qnnpack's stays 3-30x slower than the loops
+        if loop is not None and (loop.engine == "qnnpack" or torch.get_num_threads() == 1) and a.dim() >= 2 and \
+                a.is_contiguous() and not torch.jit.is_tracing():
             rows = a.reshape(-1, a.shape[-1])
             if loop.takes(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
                 tiles = _native_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
