@@ -446,8 +446,8 @@ static PyObject *lookup_u8(PyObject *self, PyObject *args) {
 
 /* patches_u8: a transposed conv whose kernel equals its stride (U-Net upsampling) as fbgemm's quantized Linear
  * computes it, with each input position's output patch written straight to its place in the (N, OH, OW, C) output.
- * fbgemm's own Linear needs a depth-to-space copy after it and runs these shapes (small C_in, many rows) at about
- * half the speed of this loop; fbgemm's direct transposed kernel is faster still but wrong (fbgemm_transposed.py).
+ * fbgemm's own Linear needs a depth-to-space copy after it; with it, U-Net's upsamplers at batch 8 take 3-6x this
+ * loop's time (docs/amx.md). fbgemm's direct transposed kernel is about as fast but wrong (fbgemm_transposed.py).
  *
  * Bit-identical to quantized::linear on fbgemm with a VNNI CPU (tests/kernels/test_patches_native.py): exact int32
  * sums of u8*s8 products (vpdpbusd), minus the input zero point times each column's weight sum, then fbgemm's
@@ -482,16 +482,18 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m128i
     return _mm512_cvtusepi32_epi8(_mm512_max_epi32(sum, _mm512_setzero_si512()));
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void patch_tile(
-    const PatchArgs *p, const uint8_t *const *src, uint8_t *const *dst, uint8_t (*line)[2048], const int rows,
-    const int blocks, const int64_t col0) {
-    __m512i acc[PATCH_ROWS][PATCH_BLOCKS];
+/* int32 sums of up to 6 rows x 4 blocks of 16 output channels, exact: four inputs per vpdpbusd, the weights of
+ * inputs 4 kk .. 4 kk + 3 at w + kk * kstride (64 bytes per block); a row's last inputs (k not a multiple of 4) meet
+ * zero weights. The upsampler and few-row Linear loops differ only in where the weights lie and what follows. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void vnni_sums(
+    __m512i acc[PATCH_ROWS][PATCH_BLOCKS], const uint8_t *const *src, const int rows, const int blocks,
+    const int8_t *w, const int64_t kstride, const int64_t k) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < blocks; c++)
             acc[r][c] = _mm512_setzero_si512();
-    const int64_t full = p->k / 4, tail = p->k % 4;
+    const int64_t full = k / 4, tail = k % 4;
     for (int64_t kk = 0; kk < full + (tail != 0); kk++) {
-        const int8_t *wk = p->w + (kk * p->n_pad + col0) * 4;
+        const int8_t *wk = w + kk * kstride;
         __m512i b[PATCH_BLOCKS];
         for (int c = 0; c < blocks; c++)
             b[c] = _mm512_loadu_si512(wk + 64 * c);
@@ -499,7 +501,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
             int32_t four = 0;
             if (kk < full)
                 memcpy(&four, src[r] + 4 * kk, 4);
-            else  /* the last inputs of a row: the missing bytes meet zero weights */
+            else
                 for (int64_t j = 0; j < tail; j++)
                     four |= (int32_t)src[r][4 * kk + j] << (8 * j);
             const __m512i a = _mm512_set1_epi32(four);
@@ -507,6 +509,28 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                 acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a, b[c]);
         }
     }
+}
+
+/* The output patch of input row (n, h, w), then the next row's position (counted on: a division per row costs more
+ * than the row's products). */
+static inline uint8_t *patch_row(uint8_t *out, const int64_t *os, const int64_t *patch, const int64_t *dims,
+                                 int64_t *n, int64_t *h, int64_t *w) {
+    uint8_t *dst = out + *n * os[0] + *h * patch[0] * os[1] + *w * patch[1] * os[2];
+    if (++*w == dims[2]) {
+        *w = 0;
+        if (++*h == dims[1]) {
+            *h = 0;
+            ++*n;
+        }
+    }
+    return dst;
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inline void patch_tile(
+    const PatchArgs *p, const uint8_t *const *src, uint8_t *const *dst, uint8_t (*line)[2048], const int rows,
+    const int blocks, const int64_t col0) {
+    __m512i acc[PATCH_ROWS][PATCH_BLOCKS];
+    vnni_sums(acc, src, rows, blocks, p->w + col0 * 4, p->n_pad * 4, p->k);
     for (int c = 0; c < blocks; c++) {
         const int64_t col = col0 + 16 * c;
         for (int r = 0; r < rows; r++) {
@@ -527,7 +551,6 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void patches_vnni(
     const int64_t *patch, const int64_t first) {
     static __thread uint8_t line[PATCH_ROWS][2048];
     const int64_t rows = dims[0] * dims[1] * dims[2], n_cols = patch[0] * patch[1] * p->cout;
-    /* the next row's position, counted on (divisions per row cost more than the row's products) */
     int64_t n = first / (dims[1] * dims[2]), h = first / dims[2] % dims[1], w = first % dims[2];
     for (int64_t row0 = first; row0 < rows; row0 += PATCH_ROWS) {
         const int r_count = rows - row0 < PATCH_ROWS ? (int)(rows - row0) : PATCH_ROWS;
@@ -535,14 +558,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void patches_vnni(
         uint8_t *dst[PATCH_ROWS];
         for (int r = 0; r < r_count; r++) {
             src[r] = x + n * xs[0] + h * xs[1] + w * xs[2];
-            dst[r] = out + n * os[0] + h * patch[0] * os[1] + w * patch[1] * os[2];
-            if (++w == dims[2]) {
-                w = 0;
-                if (++h == dims[1]) {
-                    h = 0;
-                    n++;
-                }
-            }
+            dst[r] = patch_row(out, os, patch, dims, &n, &h, &w);
         }
         for (int64_t col0 = 0; col0 < p->n_pad; col0 += 16 * PATCH_BLOCKS) {
             const int64_t left = (p->n_pad - col0) / 16;
@@ -614,16 +630,8 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-int8"))) static void patche
     int64_t n = 0, h = 0, w = 0;
     for (int64_t row0 = 0; row0 + 32 <= rows; row0 += 32) {
         uint8_t *dst[32];
-        for (int r = 0; r < 32; r++) {
-            dst[r] = out + n * os[0] + h * patch[0] * os[1] + w * patch[1] * os[2];
-            if (++w == dims[2]) {
-                w = 0;
-                if (++h == dims[1]) {
-                    h = 0;
-                    n++;
-                }
-            }
-        }
+        for (int r = 0; r < 32; r++)
+            dst[r] = patch_row(out, os, patch, dims, &n, &h, &w);
         const uint8_t *a = x + row0 * row_stride;
         for (int64_t col0 = 0; col0 < p->n_pad; col0 += 32) {
             const int two = col0 + 32 <= p->n_pad;
@@ -715,13 +723,14 @@ static PyObject *patches_u8(PyObject *self, PyObject *args) {
  * conv computes (tests/kernels/test_conv_native.py compares them bit for bit): exact int32 sums of u8*s8 products,
  * minus the input zero point times each output channel's weight sum, then the engine's per-channel requantization -
  * fbgemm: (float(acc) + bias / (s_x * s_w)) * multiplier; qnnpack: float(acc + int32 bias) * multiplier - rounded to
- * nearest even, saturated to int16, plus the output zero point, saturated to [0, 255] ([zo, 255] with a ReLU). fbgemm builds an im2col copy per call and runs
- * few-channel convs slowly (3->16 3x3 on 64x64 at batch 8: 1.8 ms, 8 GMAC/s, here); this runs them as an implicit
- * GEMM: the input is copied once into a buffer padded with its zero point, where one kernel row's inputs for one
- * output position - kw * C bytes - lie together, so each 16x16 int32 tile of output positions x channels sums
- * kernel row by kernel row, up to 64 bytes at a time. Every shape is (N, D, H, W, C): a 2-d conv has depth 1, a 1-d
- * conv height 1 too. Weights: (kd * kh * ceil(kw * C / 4), n_pad, 4) int8, four consecutive (kernel column, channel)
- * inputs of one output channel together, zero beyond each kernel row and beyond C_out; n_pad a multiple of 16. */
+ * nearest even, saturated to int16, plus the output zero point, saturated to [0, 255] ([zo, 255] with a ReLU).
+ * fbgemm builds an im2col copy per call and runs few-channel convs slowly (3->16 3x3 on 64x64 at batch 8: 1.8 ms,
+ * 8 GMAC/s, here); this runs them as an implicit GEMM: the input is copied once into a buffer padded with its zero
+ * point, where one kernel row's inputs for one output position - kw * C bytes - lie together, so each 16x16 int32
+ * tile of output positions x channels sums kernel row by kernel row, up to 64 bytes at a time. Every shape is
+ * (N, D, H, W, C): a 2-d conv has depth 1, a 1-d conv height 1 too. Weights: (kd * kh * ceil(kw * C / 4), n_pad, 4)
+ * int8, four consecutive (kernel column, channel) inputs of one output channel together, zero beyond each kernel row
+ * and beyond C_out; n_pad a multiple of 16. */
 #ifdef HAVE_AMX_PATCHES
 typedef struct {
     const int8_t *w;
@@ -876,28 +885,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-int8"))) static vo
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), always_inline)) static inline void rows_tile(
     const ConvArgs *p, const uint8_t *x, int64_t xs, uint8_t *out, int64_t os, const int rows, const int blocks,
     const int64_t col0) {
-    __m512i acc[6][4];
+    const uint8_t *src[PATCH_ROWS];
     for (int r = 0; r < rows; r++)
-        for (int c = 0; c < blocks; c++)
-            acc[r][c] = _mm512_setzero_si512();
-    const int64_t full = p->cp / 4, tail = p->cp % 4, k4 = full + (tail != 0);
-    for (int64_t kk = 0; kk < k4; kk++) {
-        const int8_t *wk = p->w + ((col0 / 64) * k4 + kk) * 256;  /* blocked: one 64-channel block streams */
-        __m512i b[4];
-        for (int c = 0; c < blocks; c++)
-            b[c] = _mm512_loadu_si512(wk + 64 * c);
-        for (int r = 0; r < rows; r++) {
-            int32_t four = 0;
-            if (kk < full)
-                memcpy(&four, x + r * xs + 4 * kk, 4);
-            else  /* the row's last inputs: the missing bytes meet zero weights */
-                for (int64_t j = 0; j < tail; j++)
-                    four |= (int32_t)x[r * xs + 4 * kk + j] << (8 * j);
-            const __m512i a = _mm512_set1_epi32(four);
-            for (int c = 0; c < blocks; c++)
-                acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a, b[c]);
-        }
-    }
+        src[r] = x + r * xs;
+    const int64_t k4 = (p->cp + 3) / 4;
+    __m512i acc[PATCH_ROWS][PATCH_BLOCKS];
+    vnni_sums(acc, src, rows, blocks, p->w + (col0 / 64) * k4 * 256, 256, p->cp);  /* blocked: one block streams */
     const __mmask16 tail_mask = (__mmask16)((1u << (p->cout % 16)) - 1);
     for (int c = 0; c < blocks; c++) {
         const int64_t col = col0 + 16 * c;
@@ -932,8 +925,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) static void rows
 #endif
 
 /* linear_rows_u8(x, rows, x row stride, C, w, colsum, int bias, bias, mult, n_pad, C_out, zx, zo, relu, out, out row
- * stride): a Linear on rows of bytes with the conv loop's requantization and its weights blocked by 64 channels, by AVX512-VNNI (few rows,
- * where 16-row AMX tiles would be mostly empty). Returns False (nothing written) without VNNI. */
+ * stride): a Linear on rows of bytes with the conv loop's requantization and its weights blocked by 64 channels,
+ * by AVX512-VNNI (few rows, where 16-row AMX tiles would be mostly empty). Returns False (nothing written) without
+ * VNNI. */
 static PyObject *linear_rows_u8(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, colsum_addr, ibias_addr, bias_addr, mult_addr, out_addr;
     int64_t rows, xs, c, n_pad, cout, zx, zo, os;
@@ -999,7 +993,8 @@ static PyObject *conv_u8(PyObject *self, PyObject *args) {
     if (pad == NULL)
         return PyErr_NoMemory();
     const ConvArgs p = {(const int8_t *)(uintptr_t)w_addr, (const int32_t *)(uintptr_t)colsum_addr,
-                        (const int32_t *)(uintptr_t)ibias_addr, (const float *)(uintptr_t)bias_addr, (const float *)(uintptr_t)mult_addr, cp, n_pad, cout,
+                        (const int32_t *)(uintptr_t)ibias_addr, (const float *)(uintptr_t)bias_addr,
+                        (const float *)(uintptr_t)mult_addr, cp, n_pad, cout,
                         {kernel[0], kernel[1], kernel[2]}, {stride[0], stride[1], stride[2]}, (int)zx, (int)zo,
                         relu};
     Py_BEGIN_ALLOW_THREADS

@@ -80,7 +80,7 @@ def patches_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, colum
     """A transposed conv with kernel == stride, as fbgemm's Linear computes it, written in place
     (``_native.c``'s ``patches_u8``): ``a`` (N, C_in, H, W) and ``out`` (N, C_out, H * kh, W * kw), both with
     channels at stride 1 (3-d tensors: a 1-d conv, ``kernel`` (1, k)). False where the CPU lacks AVX512-VNNI."""
-    assert loops is not None and a.stride(1) == 1 and out.stride(1) == 1 and a.element_size() == 1
+    assert loops is not None and (a.stride(1) == 1 or a.shape[1] == 1) and out.stride(1) == 1
     if a.dim() == 3:  # a 1-d conv: one row of height 1
         dims, a_strides, out_strides = (a.shape[0], 1, a.shape[2]), (a.stride(0), 0, a.stride(2)), \
             (out.stride(0), 0, out.stride(2))

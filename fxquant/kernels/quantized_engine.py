@@ -281,11 +281,14 @@ class _QuantizedDtypeBackend(Backend):
 
 
 def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> torch.Tensor | None:
-    """The upsampler by the C loop (fbgemm's Linear's results, written in place), or None: no loop for this layer,
-    a traced export (it records fbgemm's Linear), or an input whose channels are not at stride 1."""
+    """The upsampler by the C loop (fbgemm's Linear's results, written in place), or None: no loop for this layer or
+    a traced export (it records fbgemm's Linear). An input with strided channels is made channels-last first, as
+    the Linear would."""
     loop = t.native
-    if loop is None or torch.jit.is_tracing() or a.dtype != torch.quint8 or a.stride(1) != 1:
+    if loop is None or torch.jit.is_tracing() or a.dtype != torch.quint8:
         return None
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        a = a.movedim(1, -1).contiguous().movedim(-1, 1)
     n, size = a.shape[0], [s * k for s, k in zip(a.shape[2:], t.patches, strict=True)]
     if t.dim == 1:
         out = torch._empty_affine_quantized([n, size[0], loop.out_channels], scale=scale, zero_point=zp,

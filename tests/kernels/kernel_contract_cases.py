@@ -7,6 +7,7 @@ backend receives exactly the same integers whatever its activation representatio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -197,3 +198,21 @@ def run_conv_add_linear(backend: Backend) -> torch.Tensor:
     dense = make_layer((1, 144), (10, 144), qrange=(0, 255), per_channel=True, bias=True, seed=0)
     packed = backend.prepack_linear(dense.q_w, dense.w_qp, dense.bias)
     return backend.dequantize(backend.linear(y, packed, out_qp, out_qp, relu=False), out_qp)
+
+
+def assert_export_matches_eager(model: torch.nn.Module, example_shape: tuple[int, ...], op: str, path: Path) -> None:
+    """Convert ``model`` for fbgemm, export it to ``path`` and check that the TorchScript file - loaded under the
+    engine it was made for, as docs/cli.md says - records ``op`` (the engine's own kernel, not a C loop) and gives
+    the eager model's outputs exactly, on a batch size other than the example's."""
+    import fxquant
+    from fxquant.kernels.quantized_engine import quantized_engine
+
+    torch.manual_seed(0)
+    prepared = fxquant.prepare(model.eval(), (torch.randn(example_shape),))
+    fxquant.calibrate(prepared, [torch.randn(4, *example_shape[1:]) for _ in range(3)], progress=False)
+    qmodel = fxquant.convert(prepared, backend="fbgemm")
+    x = torch.randn(5, *example_shape[1:])
+    with quantized_engine("fbgemm"):  # torch re-packs the weights with the process's engine at load
+        exported = torch.jit.load(str(fxquant.export(qmodel, path)))
+    assert op in str(exported.inlined_graph)
+    assert torch.equal(exported(x), qmodel(x))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_contract_cases import assert_export_matches_eager
 from torch import nn
 
 import fxquant
@@ -27,7 +28,6 @@ from fxquant import native
 from fxquant.cpu import has_amx_int8
 from fxquant.kernels.amx_conv import native_conv
 from fxquant.kernels.base import ConvSpec, PackedWeight
-from fxquant.kernels.quantized_engine import quantized_engine
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
 
@@ -216,17 +216,9 @@ def test_the_convs_it_does_not_take_keep_fbgemm() -> None:
 
 
 def test_an_exported_model_records_fbgemm_convs_and_computes_what_eager_does(tmp_path: Path) -> None:
-    torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-                          nn.Conv2d(16, 24, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(24, 5, 1)).eval()
-    prepared = fxquant.prepare(model, (torch.randn(2, 3, 20, 20),))
-    fxquant.calibrate(prepared, [torch.randn(4, 3, 20, 20) for _ in range(3)], progress=False)
-    qmodel = fxquant.convert(prepared, backend="fbgemm")
-    x = torch.randn(3, 3, 20, 20)
-    with quantized_engine("fbgemm"):  # torch re-packs the weights with the process's engine at load
-        exported = torch.jit.load(str(fxquant.export(qmodel, tmp_path / "model.pt")))
-    assert "quantized::conv2d" in str(exported.inlined_graph)
-    assert torch.equal(exported(x), qmodel(x))
+                          nn.Conv2d(16, 24, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(24, 5, 1))
+    assert_export_matches_eager(model, (2, 3, 20, 20), "quantized::conv2d", tmp_path / "model.pt")
 
 
 def test_the_exported_file_names_its_engine(tmp_path: Path) -> None:

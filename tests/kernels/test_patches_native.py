@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from kernel_contract_cases import assert_export_matches_eager
 from torch import nn
 
-import fxquant
 from fxquant import native
 from fxquant.cpu import has_vnni
 from fxquant.kernels.base import ConvSpec
-from fxquant.kernels.quantized_engine import quantized_engine
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
 
@@ -99,10 +98,20 @@ def test_the_upsampler_loop_gives_fbgemm_linear_bits(case: tuple, extreme: bool)
 @pytest.mark.parametrize("layout", ["sliced", "contiguous"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("zero_points", [(0, 0), (255, 255), (128, 3)])
-def test_strided_inputs_no_bias_and_zero_points_at_the_ends(layout: str, bias: bool,
-                                                            zero_points: tuple[int, int]) -> None:
+def test_strided_inputs_no_bias_and_zero_points_at_the_ends(layout: str, bias: bool, zero_points: tuple[int, int],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Contiguous (NCHW) inputs are made channels-last and then take the loop too: it must run here."""
+    calls: list[int] = []
+    patches_into = native.patches_into
+
+    def counted(*args: object) -> bool:
+        calls.append(1)
+        return patches_into(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "patches_into", counted)
     got, want = _upsample(32, 16, (2, 2), (8, 12), layout=layout, bias=bias, zero_points=zero_points, seed=3)
     assert torch.equal(got.int_repr(), want.int_repr())
+    assert len(calls) == (1 if LOOP else 0)
 
 
 @pytest.mark.skipif(not LOOP or not FBGEMM, reason="the C loop needs AVX512-VNNI and the C extension")
@@ -120,17 +129,9 @@ def test_the_loop_writes_every_output_byte() -> None:
 
 @needs_fbgemm
 def test_a_traced_export_records_the_linear_and_computes_what_eager_does(tmp_path: Path) -> None:
-    torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.ConvTranspose2d(32, 16, 2, stride=2),
-                          nn.Conv2d(16, 4, 1)).eval()
-    prepared = fxquant.prepare(model, (torch.randn(2, 3, 12, 12),))
-    fxquant.calibrate(prepared, [torch.randn(4, 3, 12, 12) for _ in range(3)], progress=False)
-    qmodel = fxquant.convert(prepared, backend="fbgemm")
-    x = torch.randn(5, 3, 12, 12)
-    with quantized_engine("fbgemm"):  # torch re-packs the weights with the process's engine at load
-        exported = torch.jit.load(str(fxquant.export(qmodel, tmp_path / "model.pt")))
-    assert "quantized::linear" in exported.graph.str() or "quantized::linear" in str(exported.inlined_graph)
-    assert torch.equal(exported(x), qmodel(x))
+                          nn.Conv2d(16, 4, 1))
+    assert_export_matches_eager(model, (2, 3, 12, 12), "quantized::linear", tmp_path / "model.pt")
 
 
 # concatenation: (shapes, dim, layout)
