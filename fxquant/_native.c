@@ -22,6 +22,24 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* The instruction sets the loops may use, capped by FXQUANT_ISA (fxquant.cpu; set once by fxquant.native through
+ * set_isa_cap): 0 AVX2, 1 AVX512, 2 AVX512-VNNI, 3 AMX. A loop runs where both the cap and the CPU allow it. */
+enum { ISA_AVX2, ISA_AVX512, ISA_VNNI, ISA_AMX };
+static int isa_cap = ISA_AMX;
+
+static PyObject *set_isa_cap(PyObject *self, PyObject *args) {
+    int level;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "i", &level))
+        return NULL;
+    if (level < ISA_AVX2 || level > ISA_AMX) {
+        PyErr_SetString(PyExc_ValueError, "set_isa_cap: level must be 0 (avx2) to 3 (amx)");
+        return NULL;
+    }
+    isa_cap = level;
+    Py_RETURN_NONE;
+}
 #ifdef __SSE2__
 #include <emmintrin.h>
 #endif
@@ -434,7 +452,7 @@ static PyObject *lookup_u8(PyObject *self, PyObject *args) {
     uint8_t *dst = (uint8_t *)(uintptr_t)dst_addr;
     Py_BEGIN_ALLOW_THREADS
 #ifdef HAVE_VBMI_LOOKUP
-    if (__builtin_cpu_supports("avx512vbmi"))
+    if (isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512vbmi"))
         lookup_vbmi(src, dst, n, table);
     else
 #endif
@@ -592,6 +610,8 @@ typedef struct {
 
 static int amx_usable(void) {
     static int usable = -1;
+    if (isa_cap < ISA_AMX)
+        return 0;
     if (usable < 0) {
         unsigned int a, b, c, d;
         usable = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 24)) && (d & (1u << 25)) &&
@@ -692,7 +712,7 @@ static PyObject *patches_u8(PyObject *self, PyObject *args) {
         return NULL;
     }
 #ifdef HAVE_VNNI_PATCHES
-    if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
+    if (isa_cap < ISA_VNNI || !__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
         Py_RETURN_FALSE;
     int64_t offsets[2048];
     for (int64_t a = 0; a < patch[0]; a++)
@@ -941,7 +961,7 @@ static PyObject *linear_rows_u8(PyObject *self, PyObject *args) {
         return NULL;
     }
 #ifdef HAVE_AMX_PATCHES
-    if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
+    if (isa_cap < ISA_VNNI || !__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw"))
         Py_RETURN_FALSE;
     const ConvArgs p = {(const int8_t *)(uintptr_t)w_addr, (const int32_t *)(uintptr_t)colsum_addr,
                         (const int32_t *)(uintptr_t)ibias_addr, (const float *)(uintptr_t)bias_addr,
@@ -1046,7 +1066,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
     uint8_t *dst = (uint8_t *)(uintptr_t)dst_addr;
     Py_BEGIN_ALLOW_THREADS
 #ifdef HAVE_AVX512_COPY
-    if (__builtin_cpu_supports("avx512bw"))
+    if (isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw"))
         copy_rows_avx512(src, ss, dst, ds, rows, width);
     else
 #endif
@@ -1057,6 +1077,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"set_isa_cap", set_isa_cap, METH_VARARGS, "Cap the instruction sets the loops use (FXQUANT_ISA)."},
     {"scan_f32", scan_f32, METH_VARARGS, "Min, max and grid counts of dense float32 values in one read."},
     {"quantize_f32", quantize_f32, METH_VARARGS, "float32 -> uint8/int8 with one scale and zero point (NCHW->NHWC)."},
     {"mean_u8", mean_u8, METH_VARARGS, "Rounded per-channel means of uint8 activations (global average pool)."},

@@ -1,24 +1,31 @@
-"""``backend="auto"``: pick kernels by measuring them on this CPU, on each layer's real shapes.
+"""``backend="auto"``: pick kernels by measuring whole models on this CPU, on the deployment inputs.
 
 Backends come in two activation representations: quantized-dtype tensors (fbgemm, qnnpack) and plain uint8 tensors
-(onednn, reference). Within one representation a layer can run on any member with no conversion, so each layer
-takes the fastest member measured on its real input; across representations every switch would cost a copy, so
-instead the whole model is built once per representation and the faster one (measured end to end, element-wise ops
-included) is kept. Layer timings are cached per CPU, backend and shape for the life of the process.
+(onednn, reference). Within one representation a layer can run on any member with no conversion, so per-layer
+timings (cached per CPU, backend and shape for the life of the process) propose a mix: each layer on the member
+that ran its real input fastest. Layer timings alone can mislead (they miss what a member gains across layers, such
+as onednn's replayed runs of layers, and one noisy layer skews the mix), so they only propose: the final pick is
+among whole models timed side by side on the same inputs, namely every available backend alone and each family's
+mix where it differs from all of them. Auto therefore never keeps a model measured slower than a single backend it
+could have used for the whole model.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import logging
+import random
+import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
 
+from fxquant import runner
 from fxquant.cpu import cpu_model
 from fxquant.errors import InputError
 from fxquant.kernels.registry import available_backends, get_backend
@@ -26,21 +33,38 @@ from fxquant.nn.quantized import _QuantizedWeighted
 
 log = logging.getLogger(__name__)
 FAMILIES = (("fbgemm", "qnnpack"), ("onednn",))
+MODEL_ROUNDS = 7  # odd: the median is one measured call
 _CACHE: dict[tuple[Any, ...], float] = {}
 
+Lower = Callable[[fx.GraphModule, str], fx.GraphModule]
 
-def _fastest(candidates: dict[str, Callable[[], Any]], rounds: int = 15) -> dict[str, float]:
-    """Best-of-``rounds`` milliseconds per candidate, measured round-robin so that load on a shared machine hits
-    every candidate alike (the minimum is the least noisy estimate of a kernel's own speed)."""
+
+class Candidate(NamedTuple):
+    """One whole converted model auto may return, and its per-layer backends (what ``relower_layers`` replays)."""
+
+    model: fx.GraphModule
+    choices: dict[str, str]
+
+
+def _fastest(candidates: Mapping[str, Callable[[], Any]], rounds: int = 15,
+             estimate: Callable[[list[float]], float] = min) -> dict[str, float]:
+    """``estimate`` of each candidate's milliseconds over ``rounds`` rounds, each round calling every candidate once.
+
+    Interleaving makes load on a shared machine hit every candidate alike, and the order is shuffled per round
+    (with a fixed seed, so runs are repeatable and the global RNG is untouched) so that no candidate always runs
+    right after the same one, whose cache footprint or allocator state it would inherit.
+    """
     for fn in candidates.values():
-        fn()  # warm-up: first calls fill caches and allocate
-    best = dict.fromkeys(candidates, float("inf"))
+        fn()  # warm-up: first calls fill caches, allocate and bind kernels to the input shapes
+    samples: dict[str, list[float]] = {name: [] for name in candidates}
+    order, shuffle = list(candidates), random.Random(0).shuffle
     for _ in range(rounds):
-        for name, fn in candidates.items():
+        shuffle(order)
+        for name in order:
             start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], (time.perf_counter() - start) * 1e3)
-    return best
+            candidates[name]()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: estimate(times) for name, times in samples.items()}
 
 
 class _LayerInputs(fx.Interpreter):
@@ -68,7 +92,10 @@ def _layer_key(module: _QuantizedWeighted, name: str, x: torch.Tensor) -> tuple[
 
 
 def _time_layer(module: _QuantizedWeighted, names: list[str], x: torch.Tensor) -> dict[str, float]:
-    """Milliseconds of ``module`` on each backend in ``names`` for input ``x`` (cached per CPU, backend, shape)."""
+    """Milliseconds of ``module`` on each backend in ``names`` for input ``x`` (cached per CPU, backend, shape).
+
+    The minimum of rounds: a single kernel call is short, so its fastest call is the least noisy estimate of the
+    kernel's own speed."""
     missing = [n for n in names if _layer_key(module, n, x) not in _CACHE]
     variants: dict[str, Callable[[], Any]] = {}
     for name in missing:
@@ -80,18 +107,29 @@ def _time_layer(module: _QuantizedWeighted, names: list[str], x: torch.Tensor) -
     return {n: _CACHE[_layer_key(module, n, x)] for n in names}
 
 
-def _choose_layers(gm: fx.GraphModule, family: tuple[str, ...], example: tuple[Any, ...]) -> dict[str, str]:
+def _weighted(gm: fx.GraphModule) -> dict[str, _QuantizedWeighted]:
+    return {path: m for path, m in gm.named_modules() if isinstance(m, _QuantizedWeighted)}
+
+
+def _everywhere(gm: fx.GraphModule, name: str) -> dict[str, str]:
+    """Every Linear/Conv of ``gm`` on backend ``name``, except layers whose input qparams it cannot take."""
+    return {path: name if _compatible(m, name) else m.backend.name for path, m in _weighted(gm).items()}
+
+
+def _per_layer(gm: fx.GraphModule, family: tuple[str, ...], example: tuple[Any, ...]) -> dict[str, str]:
+    """Each Linear/Conv of ``gm`` on the member of ``family`` that ran its input from ``example`` fastest."""
     recorder = _LayerInputs(gm)
     with torch.inference_mode():
         recorder.run(*example)
-        chosen = {}
+        chosen = {path: m.backend.name for path, m in _weighted(gm).items()}  # layers the run did not reach stay
         for path, x in recorder.inputs.items():
             module = gm.get_submodule(path)
             assert isinstance(module, _QuantizedWeighted)
             names = [name for name in family if _compatible(module, name)]
             times = _time_layer(module, names, x) if len(names) > 1 else {}
-            chosen[path] = min(times, key=times.__getitem__) if times else module.backend.name
-    return relower_layers(gm, chosen)
+            if times:
+                chosen[path] = min(times, key=times.__getitem__)
+    return chosen
 
 
 def relower_layers(gm: fx.GraphModule, choices: dict[str, str]) -> dict[str, str]:
@@ -122,15 +160,62 @@ def family_of(choices: dict[str, str]) -> str | None:
     return next((family[0] for family in FAMILIES if choices and set(choices.values()) <= set(family)), None)
 
 
-def convert_auto(prepared: fx.GraphModule, lower: Callable[[fx.GraphModule, str], fx.GraphModule],
-                 example: tuple[Any, ...]) -> tuple[fx.GraphModule, dict[str, str]]:
-    """The fastest converted model over representations, each layer on its fastest backend; and the choices."""
-    built: dict[str, tuple[fx.GraphModule, dict[str, str]]] = {}
-    for family in _families():
-        gm = lower(copy.deepcopy(prepared), family[0])
-        built["+".join(family)] = (gm, _choose_layers(gm, family, example))
+def mix_name(family: tuple[str, ...]) -> str:
+    """How logs name ``family``'s per-layer mix among the whole-model candidates."""
+    return f"{'+'.join(family)} per layer"
+
+
+def _family_candidates(prepared: fx.GraphModule, lower: Lower, family: tuple[str, ...],
+                       example: tuple[Any, ...]) -> dict[str, Candidate]:
+    """Each member of ``family`` alone, and the per-layer mix unless it equals one of them.
+
+    Every candidate is lowered with the family's first member and re-lowered per layer, exactly as a replay of its
+    choices rebuilds it (``family_of`` + ``relower_layers``), so a saved auto model loads as it was timed. qnnpack
+    alone thus runs qnnpack's kernels on fbgemm's qparams (7-bit inputs to grouped convs): the speed of
+    ``backend="qnnpack"``, whose outputs differ only where those inputs do."""
+    base = lower(copy.deepcopy(prepared), family[0])
+    proposals = {name: _everywhere(base, name) for name in family}
+    proposals[mix_name(family)] = _per_layer(base, family, example)
+    candidates: dict[str, Candidate] = {}
+    for name, choices in proposals.items():
+        if any(choices == kept.choices for kept in candidates.values()):
+            continue  # the same model as a candidate already built: built and timed once
+        gm = base if not candidates else lower(copy.deepcopy(prepared), family[0])
+        relower_layers(gm, choices)
+        candidates[name] = Candidate(runner.install(gm), choices)  # timed as callers run it
+    return candidates
+
+
+def _time_models(models: dict[str, fx.GraphModule], example: tuple[Any, ...]) -> dict[str, float]:
+    """Median milliseconds of each whole model on ``example``, over ``MODEL_ROUNDS`` interleaved rounds.
+
+    The median, not the minimum: a whole model runs many kernels, and on a loaded machine the spread between its
+    calls is wide, so its single fastest call says how lucky one call was rather than how fast the model usually
+    runs, and a noisy candidate could win on one such call. Each round times every model within a short window, so
+    the median of rounds compares the models under the same load."""
     with torch.inference_mode():
-        times = _fastest({name: partial(gm, *example) for name, (gm, _) in built.items()}, rounds=5)
-    for name, ms in times.items():
-        log.info("fxquant auto: %s runs the model in %.3f ms", name, ms)
-    return built[min(times, key=times.__getitem__)]
+        calls = {name: partial(gm, *example) for name, gm in models.items()}
+        return _fastest(calls, rounds=MODEL_ROUNDS, estimate=statistics.median)
+
+
+def convert_auto(prepared: fx.GraphModule, lower: Lower, example: tuple[Any, ...]
+                 ) -> tuple[fx.GraphModule, dict[str, str]]:
+    """The fastest whole converted model among the candidates, measured on ``example``; and its per-layer choices.
+
+    ``lower(gm, backend)`` converts a deep copy of ``prepared`` for one backend. Up to one model per available
+    backend plus one mix per family is alive while timing; the losers are dropped before returning."""
+    candidates: dict[str, Candidate] = {}
+    for family in _families():
+        candidates.update(_family_candidates(prepared, lower, family, example))
+    if len(candidates) == 1:
+        name = next(iter(candidates))
+        log.info("fxquant auto: %s is the only candidate; nothing timed", name)
+        return candidates[name]
+    times = _time_models({name: c.model for name, c in candidates.items()}, example)
+    best = min(times, key=times.__getitem__)
+    log.info("fxquant auto: whole models timed, median of %d interleaved rounds: %s; kept %s", MODEL_ROUNDS,
+             ", ".join(f"{name} {ms:.3f} ms" for name, ms in sorted(times.items(), key=lambda item: item[1])), best)
+    winner = candidates.pop(best)
+    candidates.clear()
+    gc.collect()  # a GraphModule is a reference cycle (its graph points back to it): free the losers now
+    return winner

@@ -49,6 +49,12 @@ def _check_activation(name: object, where: str) -> None:
     _check_choice("activation", name, activation_observer_names(), where)
 
 
+def _default_backend() -> str:
+    from fxquant.kernels.registry import default_backend  # lazy: which backends run is known only to the kernels
+
+    return default_backend()
+
+
 def _matches(pattern: str, path: str, module_type: str) -> bool:
     if pattern.startswith("type:"):
         return bool(module_type) and fnmatch.fnmatchcase(module_type, pattern[5:])
@@ -72,10 +78,10 @@ class QuantConfig:
 
     Example::
 
-        config = QuantConfig(backend="fbgemm", activation="minmax", exclude=["classifier.*"])
+        config = QuantConfig(backend="onednn", activation="minmax", exclude=["classifier.*"])
     """
 
-    backend: str = "fbgemm"
+    backend: str = field(default_factory=_default_backend)  # resolved when the config is made, so it is recorded
     activation: str = "minmax"
     weight: str = "per_channel"
     include: tuple[str, ...] = ("*",)

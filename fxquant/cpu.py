@@ -1,4 +1,11 @@
-"""What this CPU can do, read once: which int8 instruction sets the kernels can use."""
+"""What this CPU can do, read once: which int8 instruction sets the kernels can use.
+
+``FXQUANT_ISA`` caps what fxquant assumes (``avx2``, ``avx512``, ``vnni`` or ``amx``; unset: what the CPU has), so
+one machine can run the paths of a smaller one: ``FXQUANT_ISA=avx512`` takes AVX512-VNNI and AMX away (7-bit
+activations for fbgemm/oneDNN, the engines' kernels instead of the VNNI/AMX loops), ``vnni`` takes AMX away. The C
+loops read the cap when :mod:`fxquant.native` loads; the Python checks read it on every call. Set oneDNN's own
+``ONEDNN_MAX_CPU_ISA`` to match (docs/backends.md), since oneDNN picks its kernels by itself.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +14,13 @@ import os
 import platform
 from pathlib import Path
 
-# Forcing the slow path lets tests exercise the non-VNNI behaviour on any machine.
-_FORCE_NO_VNNI = "FXQUANT_ASSUME_NO_VNNI"
+from fxquant.errors import ConfigError
+
+ISA_ENV = "FXQUANT_ISA"
+ISA_LEVELS = ("avx2", "avx512", "vnni", "amx")  # each level includes the ones before it
+# the flags that make a level: all of a set, any of the sets (AVX-VNNI gives client CPUs 32-bit int8 sums too)
+_LEVEL_FLAGS = {"avx2": ({"avx2"},), "avx512": ({"avx512f", "avx512bw"},),
+                "vnni": ({"avx512_vnni"}, {"avx_vnni"}), "amx": ({"amx_int8", "amx_tile"},)}
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,16 +46,42 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def isa_cap() -> int:
+    """The index in :data:`ISA_LEVELS` of the highest level ``FXQUANT_ISA`` allows (the last one when unset)."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return len(ISA_LEVELS) - 1
+    if value not in ISA_LEVELS:
+        raise ConfigError(f"{ISA_ENV}={value!r} is not one of {', '.join(ISA_LEVELS)}; unset it to use every "
+                          "instruction set this CPU has")
+    return ISA_LEVELS.index(value)
+
+
+def _allows(level: str) -> bool:
+    """Whether the cap admits ``level`` and the CPU has its instructions."""
+    flags = _cpu_flags()
+    return ISA_LEVELS.index(level) <= isa_cap() and any(needed <= flags for needed in _LEVEL_FLAGS[level])
+
+
+def has_avx512() -> bool:
+    """AVX512F and BW: the byte loops (row copies, VBMI lookups) take 64 bytes a step."""
+    return _allows("avx512")
+
+
 def has_vnni() -> bool:
-    """AVX512-VNNI or AVX-VNNI: u8*s8 dot products accumulate in 32 bits (no 16-bit saturation)."""
-    if os.environ.get(_FORCE_NO_VNNI):
-        return False
-    return bool({"avx512_vnni", "avx_vnni"} & _cpu_flags())
+    """AVX512-VNNI: u8*s8 dot products accumulate in 32 bits (no 16-bit saturation)."""
+    return _allows("vnni")
 
 
 def has_amx_int8() -> bool:
-    return "amx_int8" in _cpu_flags()
+    """AMX-INT8 tiles (the OS must also grant the tile state; the C loop asks and falls back when refused)."""
+    return _allows("amx")
+
+
+def isa_level() -> str:
+    """The highest of :data:`ISA_LEVELS` that both this CPU and the cap allow."""
+    return next((level for level in reversed(ISA_LEVELS) if _allows(level)), "below avx2")
 
 
 def isa_summary() -> dict[str, bool]:
-    return {"avx512_vnni": has_vnni(), "amx_int8": has_amx_int8(), "avx512f": "avx512f" in _cpu_flags()}
+    return {"avx512f": has_avx512(), "avx512_vnni": has_vnni(), "amx_int8": has_amx_int8()}

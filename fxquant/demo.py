@@ -25,14 +25,16 @@ def _table(rows: list[tuple[str, str, str, str]]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(*, threads: int = 1, backend: str = "fbgemm", progress: bool = True) -> dict[str, float]:
+def run_demo(*, threads: int = 1, backend: str | None = None, progress: bool = True) -> dict[str, float]:
     """Train, quantize and measure the digits CNN; print a report and return its figures."""
     start = time.perf_counter()
     model = train_digits_cnn()
     print(f"trained DigitsCNN on scikit-learn digits in {time.perf_counter() - start:.1f} s")
     calib = digits_loader("calib", batch_size=64)
     example = (next(iter(calib))[0][:1],)
-    prepared = prepare(model, example, QuantConfig(backend=backend))
+    config = QuantConfig() if backend is None else QuantConfig(backend=backend)
+    backend = config.backend
+    prepared = prepare(model, example, config)
     summary = calibrate(prepared, calib, progress=progress)
     qmodel = convert(prepared)
     print(f"calibrated on {summary.samples} images; converted to INT8 on {backend}")

@@ -13,6 +13,8 @@ from types import ModuleType
 
 import torch
 
+from fxquant.cpu import isa_cap
+
 DISABLE_ENV = "FXQUANT_NATIVE"  # "0": the torch (and engine) paths everywhere, e.g. to compare or to debug
 
 loops: ModuleType | None
@@ -22,6 +24,21 @@ except ImportError:  # no compiler at install time: the torch paths
     loops = None
 if os.environ.get(DISABLE_ENV) == "0":
     loops = None
+if loops is not None:
+    loops.set_isa_cap(isa_cap())  # FXQUANT_ISA, read once: the loops keep the cap the process started with
+
+
+# The thread rule. Every loop here runs on one thread, while the kernels they replace (fbgemm's, qnnpack's, torch's
+# element-wise ops) split their work across torch's intra-op threads. So each family runs only up to the largest
+# torch thread count at which it was measured faster than what it replaces, and yields to that kernel above it, at
+# any thread count (docs/amx.md "Threads", which gives the measurements; scripts/bench_amx_layers.py --threads N).
+THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "upsample": 1, "elementwise": 2, "histogram": 4}
+
+
+def available(family: str = "elementwise") -> bool:
+    """Whether the C loops are here and ``family``'s loops (:data:`THREAD_LIMITS`) may run at torch's current
+    thread count."""
+    return loops is not None and torch.get_num_threads() <= THREAD_LIMITS[family]
 
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
@@ -44,7 +61,7 @@ def concat(values: Sequence[torch.Tensor], dim: int,
     dtypes carry their scale). torch's cat interleaves channels-last inputs one element at a time: 3-5x slower on
     U-Net's skip concats."""
     first = values[0] if values else None
-    if loops is None or first is None or torch.jit.is_tracing() or first.element_size() != 1:
+    if loops is None or not available() or first is None or torch.jit.is_tracing() or first.element_size() != 1:
         return None
     if any(v.dtype != first.dtype or v.dim() != first.dim() for v in values):
         return None

@@ -2,9 +2,10 @@
 
 Each row times the backend's ``conv``/``linear`` on one prepacked layer twice, with the C loop and with the same
 packed weight without it (the engine's op), interleaved in one :func:`fxquant.report.latency.measure_latency` run so
-the ratio holds on a noisy machine. The loops run on one thread; ``--threads`` sets the engines' threads. Linears take
-AMX tiles from 16 rows and 2**20 multiply-adds, the VNNI row loop below (``NativeConv.takes``). Tables:
-``docs/amx.md``.
+the ratio holds on a noisy machine. The loops run on one thread, and only up to ``native.THREAD_LIMITS`` threads;
+``--threads`` sets the engines' threads. Convs need AMX (skipped without it); Linears take AMX tiles from 16 rows and
+2**20 multiply-adds and the VNNI row loop below, or with VNNI but no AMX the row loop where ``NativeConv.takes``
+says. Tables: ``docs/amx.md``.
 
     python scripts/bench_amx_layers.py [--threads N] [--budget SECONDS]
 """
@@ -18,7 +19,8 @@ from typing import Any
 
 import torch
 
-from fxquant.cpu import has_amx_int8
+from fxquant import native
+from fxquant.cpu import cpu_model, has_amx_int8, has_vnni, isa_level
 from fxquant.kernels.base import Backend, ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
@@ -28,8 +30,8 @@ from fxquant.report.latency import measure_latency
 CONVS = [(3, 16, 64, 3, 1, 1, "U-Net stem"), (3, 16, 64, 3, 1, 8, ""), (32, 16, 64, 3, 1, 8, "U-Net decoder"),
          (64, 64, 16, 3, 1, 8, ""), (3, 64, 224, 7, 2, 1, "ResNet stem"), (64, 64, 56, 3, 1, 1, ""),
          (64, 64, 56, 3, 1, 8, ""), (256, 256, 14, 3, 1, 1, ""), (64, 128, 56, 1, 2, 1, ""), (16, 16, 8, 3, 1, 1, "")]
-LINEARS = [(784, 256, 1), (1024, 1024, 1), (1024, 1024, 8), (1024, 1024, 16), (768, 768, 128), (768, 3072, 128),
-           (256, 10, 128)]
+LINEARS = [(784, 256, 1), (784, 256, 8), (1024, 1024, 1), (1024, 1024, 4), (1024, 1024, 8), (1024, 1024, 16),
+           (768, 3072, 4), (768, 3072, 8), (768, 768, 128), (768, 3072, 128), (256, 10, 8), (256, 10, 128)]
 IN_QP = QParams(torch.tensor(0.02), torch.tensor(10), *UINT8_RANGE)
 OUT_QP = QParams(torch.tensor(0.3), torch.tensor(100), *UINT8_RANGE)
 
@@ -68,22 +70,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads for the engines' kernels")
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per row")
+    parser.add_argument("--ignore-thread-limits", action="store_true",
+                        help="run the loops at any thread count (the measurement behind native.THREAD_LIMITS)")
     args = parser.parse_args()
-    if not has_amx_int8():
-        raise SystemExit("this CPU has no AMX-INT8: fxquant keeps the engines' kernels, nothing to compare")
+    if args.ignore_thread_limits:
+        native.THREAD_LIMITS.update(dict.fromkeys(native.THREAD_LIMITS, 1 << 16))
+    if not has_vnni():
+        raise SystemExit("this CPU has no AVX512-VNNI: fxquant keeps the engines' kernels, nothing to compare")
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
+    print(f"{cpu_model()}, ISA {isa_level()}; a ratio near 1.00 means both columns ran the engine's kernel")
     for engine in [e for e in ("fbgemm", "qnnpack") if e in available_backends()]:
         backend = get_backend(engine)
-        print(f"\n{engine}, {args.threads} thread(s) for the engine\n\n| conv, input | C loop | {engine} | ratio |\n"
-              "|---|---|---|---|")
-        for cin, cout, size, k, stride, batch, note in CONVS:
-            label = (f"{cin} -> {cout} {k}x{k}" + (f" stride {stride}" if stride > 1 else "")
-                     + f", {batch}x{cin}x{size}x{size}" + (f" ({note})" if note else ""))
-            print(_row(label, _conv(backend, cin, cout, size, k, stride, batch), args), flush=True)
+        print(f"\n{engine}, {args.threads} thread(s) for the engine")
+        if has_amx_int8():
+            _convs(backend, engine, args)
         print(f"\n| Linear, rows | C loop | {engine} | ratio |\n|---|---|---|---|")
         for k, n, rows in LINEARS:
-            path = "tiles" if rows >= 16 and rows * k * n >= 1 << 20 else "VNNI rows"
-            print(_row(f"{k} -> {n}, {rows} rows ({path})", _linear(backend, k, n, rows), args), flush=True)
+            print(_row(f"{k} -> {n}, {rows} rows ({_linear_path(backend, k, n, rows)})", _linear(backend, k, n, rows),
+                       args), flush=True)
+
+
+def _linear_path(backend: Backend, k: int, n: int, rows: int) -> str:
+    """What the backend runs for this Linear at this thread count: AMX tiles, the VNNI row loop or the engine."""
+    loop = backend.prepack_linear(torch.ones(n, k, dtype=torch.int8), _weight_qp(n), None, in_qp=IN_QP).payload[1]
+    if loop is None or not loop.takes(rows) or not native.available(f"{loop.engine}_linear"):
+        return "engine"
+    return "tiles" if loop.tiled(rows) else "VNNI rows"
+
+
+def _convs(backend: Backend, engine: str, args: argparse.Namespace) -> None:
+    print(f"\n| conv, input | C loop | {engine} | ratio |\n|---|---|---|---|")
+    for cin, cout, size, k, stride, batch, note in CONVS:
+        label = (f"{cin} -> {cout} {k}x{k}" + (f" stride {stride}" if stride > 1 else "")
+                 + f", {batch}x{cin}x{size}x{size}" + (f" ({note})" if note else ""))
+        print(_row(label, _conv(backend, cin, cout, size, k, stride, batch), args), flush=True)
 
 
 if __name__ == "__main__":

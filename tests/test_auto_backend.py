@@ -13,6 +13,7 @@ import fxquant
 from fxquant.auto import FAMILIES
 from fxquant.errors import InputError
 from fxquant.kernels.registry import available_backends
+from fxquant.models import create_model
 from fxquant.testing import assert_sqnr, calibrated
 
 
@@ -90,3 +91,109 @@ def test_bad_recorded_choices_are_one_clear_error() -> None:
     if {"fbgemm", "onednn"} <= set(available_backends()):
         with pytest.raises(InputError, match="one auto family"):
             fxquant.convert(prepared, backend="auto", layer_backends={"0": "onednn", "1": "fbgemm"})
+
+
+ALL_THREE = {"fbgemm", "qnnpack", "onednn"} <= set(available_backends())
+needs_all_three = pytest.mark.skipif(not ALL_THREE, reason="needs the fbgemm, qnnpack and onednn backends")
+MIX = "fbgemm+qnnpack per layer"
+
+
+def _layers(qmodel: torch.nn.Module) -> dict[str, str]:
+    return {row.path: row.backend for row in fxquant.coverage(qmodel).layers}
+
+
+def _rigged(monkeypatch: pytest.MonkeyPatch, layer_pick: dict[type, str], medians: dict[str, float]
+            ) -> dict[str, tuple[torch.Size, ...]]:
+    """Per-layer timings that crown ``layer_pick[type(layer)]``, whole-model medians from ``medians``; returns the
+    whole-model candidates offered, each with the input shapes it was timed on."""
+    from fxquant import auto
+
+    def time_layer(module: object, names: list[str], x: torch.Tensor) -> dict[str, float]:
+        return {name: 1.0 if name == layer_pick[type(module)] else 9.0 for name in names}
+
+    offered: dict[str, tuple[torch.Size, ...]] = {}
+
+    def time_models(models: dict[str, object], example: tuple[torch.Tensor, ...]) -> dict[str, float]:
+        offered.update({name: tuple(x.shape for x in example) for name in models})
+        return {name: medians.get(name, 50.0) for name in models}
+
+    monkeypatch.setattr(auto, "_time_layer", time_layer)
+    monkeypatch.setattr(auto, "_time_models", time_models)
+    return offered
+
+
+def _conv_bn() -> tuple[nn.Module, torch.fx.GraphModule]:
+    model = create_model("conv_bn", channels=8)
+    return model, calibrated(model, (2, 3, 32, 32))
+
+
+@needs_all_three
+def test_auto_keeps_the_fastest_whole_model_when_layer_timings_point_elsewhere(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Layer timings that crown qnnpack everywhere must not beat an onednn whole model measured faster."""
+    from fxquant.nn.quantized import QuantizedConv2d, QuantizedLinear
+
+    _, prepared = _conv_bn()
+    offered = _rigged(monkeypatch, {QuantizedConv2d: "qnnpack", QuantizedLinear: "qnnpack"},
+                      {"onednn": 4.0, "qnnpack": 31.0, "fbgemm": 20.0})
+    example = (torch.randn(3, 3, 32, 32),)
+    with caplog.at_level("INFO", logger="fxquant.auto"):
+        qmodel = fxquant.convert(prepared, backend="auto", example_inputs=example)
+    # the mix is qnnpack everywhere, the same model as qnnpack alone: built and timed once
+    assert offered == dict.fromkeys(("fbgemm", "qnnpack", "onednn"), ((3, 3, 32, 32),)), offered
+    assert _layers(qmodel) == {"conv": "onednn", "fc": "onednn"}
+    assert fxquant.api.quant_state(qmodel).layer_backends == {"conv": "onednn", "fc": "onednn"}
+    assert "onednn 4.000 ms" in caplog.text and "qnnpack 31.000 ms" in caplog.text and "kept onednn" in caplog.text
+    x = torch.randn(3, 3, 32, 32)
+    assert torch.equal(qmodel(x), fxquant.convert(prepared, backend="onednn")(x))
+
+
+@needs_all_three
+@pytest.mark.parametrize("winner", [MIX, "fbgemm", "qnnpack"])
+def test_auto_keeps_the_mix_only_when_it_is_the_fastest_whole_model(
+        monkeypatch: pytest.MonkeyPatch, winner: str) -> None:
+    from fxquant.nn.quantized import QuantizedConv2d, QuantizedLinear
+
+    model, prepared = _conv_bn()
+    offered = _rigged(monkeypatch, {QuantizedConv2d: "qnnpack", QuantizedLinear: "fbgemm"}, {winner: 1.0})
+    qmodel = fxquant.convert(prepared, backend="auto")
+    assert sorted(offered) == sorted(["fbgemm", "qnnpack", "onednn", MIX]), offered
+    expected = {"conv": "qnnpack", "fc": "fbgemm"} if winner == MIX else {"conv": winner, "fc": winner}
+    assert _layers(qmodel) == expected
+    x = torch.randn(3, 3, 32, 32)
+    # the reference: the single backend's own conversion, or for the mix the recorded choices replayed
+    reference = (fxquant.convert(prepared, backend=winner) if winner != MIX
+                 else fxquant.convert(prepared, backend="auto", layer_backends=expected))
+    assert torch.equal(qmodel(x), reference(x))
+    assert_sqnr(model(x), qmodel(x), 25.0, f"auto kept {winner}")
+
+
+def test_whole_models_are_compared_by_median_not_by_one_lucky_call() -> None:
+    """A model that is slow in every round but one must lose to one that is steadily faster."""
+    import time
+
+    from fxquant import auto
+
+    calls = {"lucky": 0}
+
+    def lucky() -> None:
+        calls["lucky"] += 1
+        time.sleep(0.0 if calls["lucky"] == 3 else 0.03)
+
+    def steady() -> None:
+        time.sleep(0.003)
+
+    medians = auto._time_models({"lucky": lucky, "steady": steady}, ())  # type: ignore[dict-item]
+    assert min(medians, key=medians.__getitem__) == "steady", medians
+    assert calls["lucky"] == 1 + auto.MODEL_ROUNDS
+
+
+def test_rounds_run_candidates_in_shuffled_orders() -> None:
+    from fxquant import auto
+
+    sequence: list[str] = []
+    candidates = {name: (lambda name=name: sequence.append(name)) for name in "abc"}
+    auto._fastest(candidates, rounds=7)
+    rounds = [tuple(sequence[i:i + 3]) for i in range(3, len(sequence), 3)]  # after the warm-up round
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds), rounds
+    assert len(set(rounds)) > 1, f"every round ran in one order: {rounds[0]}"

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fxquant import native
-from fxquant.cpu import has_amx_int8
+from fxquant.cpu import has_amx_int8, has_vnni
 from fxquant.kernels.base import ConvSpec
 from fxquant.qparams import QParams
 
@@ -49,22 +49,27 @@ class NativeConv:
     engine: str = "fbgemm"
     linear: bool = False  # a Linear run as a 1x1 conv over its rows
     row_weight: torch.Tensor | None = None  # a Linear's weight blocked by 64 channels for the VNNI row loop
+    tiles: bool = True  # the CPU (within FXQUANT_ISA) has AMX-INT8; else only a Linear's VNNI row loop runs
     _factors: dict[tuple[float, float], Factors] = field(default_factory=dict, repr=False)
 
     def macs(self, positions: int) -> int:
         return positions * self.out_channels * self.in_channels * self.kernel[0] * self.kernel[1] * self.kernel[2]
 
     def takes(self, positions: int) -> bool:
-        """Whether the tile loop beats the engine's own conv for ``positions`` outputs per channel. Measured per
-        layer on one Sapphire Rapids core (``scripts/bench_amx_layers.py``, ``docs/amx.md``): the loop costs ~15-20
-        us a call at the smallest sizes; fbgemm's convs cost as much (16 -> 16 3x3 on 8x8: 32 against 35 us) or
-        more at every size tried; qnnpack's only below ~2**17 multiply-adds (a 32 -> 64 1x1 conv on 4x4: 13
-        against 18 us). A Linear takes the tiles from 16 rows and 2**20 multiply-adds and the VNNI row loop below
-        that, where 16-row tiles are mostly empty (1024 -> 1024 on one row: 83 against fbgemm's 126 us, interleaved
-        with it; the same layer forced onto tiles was slower than fbgemm)."""
+        """Whether a C loop beats the engine's own kernel for ``positions`` outputs per channel (measured per layer,
+        ``scripts/bench_amx_layers.py``, tables in ``docs/amx.md``). Convs need AMX tiles; qnnpack's convs keep
+        their kernel below 2**17 multiply-adds, where the loop's fixed cost per call dominates. A Linear takes the
+        tiles from 16 rows and 2**20 multiply-adds and the VNNI row loop below that, where 16-row tiles would be
+        mostly empty. On a CPU with VNNI but no AMX the row loop runs below 16 rows (fbgemm's: below 8 rows or
+        2**22 multiply-adds) and the engine's kernel above."""
         if self.linear:
-            return positions >= 16 and self.macs(positions) >= 1 << 20
-        return self.engine != "qnnpack" or self.macs(positions) >= 1 << 17
+            few = positions < 8 or self.macs(positions) < 1 << 22  # fbgemm's VNNI kernel wins above (docs/amx.md)
+            return self.tiles or (positions < 16 and (self.engine == "qnnpack" or few))
+        return self.tiles and (self.engine != "qnnpack" or self.macs(positions) >= 1 << 17)
+
+    def tiled(self, positions: int) -> bool:
+        """Whether :meth:`takes` means the AMX tiles (else, for a Linear, the VNNI row loop)."""
+        return self.tiles and (not self.linear or (positions >= 16 and self.macs(positions) >= 1 << 20))
 
     def factors(self, in_scale: float, out_scale: float) -> Factors:
         """The engine's per-channel requantization constants, rounded as it rounds them (cached per pair of scales:
@@ -90,8 +95,10 @@ class NativeConv:
 def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                 engine: str = "fbgemm", linear: bool = False) -> NativeConv | None:
     """Lay out an int8 conv ``weight`` (C_out, C_in, *kernel) for the C loop, or None where the loop does not take
-    it (grouped, dilated or transposed, weights per tensor or with zero points, no AMX, no C extension)."""
-    if (native.loops is None or not has_amx_int8() or spec.groups != 1 or spec.transposed
+    it (grouped, dilated or transposed, weights per tensor or with zero points, no C extension, a conv without AMX,
+    a Linear without AVX512-VNNI)."""
+    tiles = has_amx_int8()
+    if (native.loops is None or not (tiles or (linear and has_vnni())) or spec.groups != 1 or spec.transposed
             or any(d != 1 for d in spec.dilation) or w_qp.axis != 0 or bool(w_qp.zero_point.ne(0).any())):
         return None
     out_channels, in_channels = weight.shape[:2]
@@ -115,4 +122,4 @@ def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, 
         wide[:out_channels] = padded[:out_channels, 0]
         row_weight = wide.reshape(-1, 64, span_pad // 4, 4).transpose(1, 2).contiguous()
     return NativeConv(packed, sums, floats[0].clone(), floats[1].clone(), in_channels, out_channels, spec,
-                      (kernel[0], kernel[1], kernel[2]), engine, linear, row_weight)
+                      (kernel[0], kernel[1], kernel[2]), engine, linear, row_weight, tiles)

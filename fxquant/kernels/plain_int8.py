@@ -106,7 +106,8 @@ def _native_quantize(x: torch.Tensor, qp: QParams, channels_last: bool) -> torch
     does not apply: no C loop, not float32 on the CPU, per-channel, or memory that is neither contiguous nor (4-d)
     channels-last. A contiguous NCHW input becomes channels-last in the same pass (1x3x224x224, one thread: 103 us,
     against 335 us for the torch path, of which torch's NCHW -> NHWC copy of the 3-channel result alone is 80 us)."""
-    if (native.loops is None or x.dtype != torch.float32 or x.device.type != "cpu" or qp.per_channel
+    if (native.loops is None or not native.available() or x.dtype != torch.float32 or x.device.type != "cpu"
+            or qp.per_channel
             or qp.dtype not in (torch.uint8, torch.int8) or x.numel() == 0):
         return None
     scale, zero_point = qp.scalar()
@@ -149,7 +150,7 @@ def _native_global_mean(a: torch.Tensor, qp: QParams, output_size: Any) -> torch
     1x64x1x3 (a classifier head), 61 vs 179 us at 1x96x56x56 (an SE block) against the torch path's passes."""
     ones = (1,) * (a.dim() - 2)
     pools_to_one = output_size == 1 if isinstance(output_size, int) else tuple(output_size) == ones
-    if (native.loops is None or not pools_to_one or a.dtype != torch.uint8
+    if (native.loops is None or not native.available() or not pools_to_one or a.dtype != torch.uint8
             or a.device.type != "cpu" or qp.per_channel or a.dim() < 3 or a.numel() == 0):
         return None
     strides, positions = _three_strides(a), math.prod(a.shape[2:])
@@ -168,7 +169,8 @@ def _native_mul(a: torch.Tensor, b: torch.Tensor, qps: tuple[QParams, QParams, Q
     does not apply: no C loop, other dtypes or shapes, per-channel qparams, positions not evenly spaced. An SE
     gate at 1x96x56x56 channels-last, one thread: 0.16 ms against 0.68 ms for the seven torch passes."""
     qa, qb, qout = qps
-    if (native.loops is None or a.dtype != torch.uint8 or b.dtype != torch.uint8 or qout.dtype != torch.uint8
+    if (native.loops is None or not native.available() or a.dtype != torch.uint8 or b.dtype != torch.uint8
+            or qout.dtype != torch.uint8
             or dtype not in (torch.float32, torch.float64) or a.dim() < 3 or b.dim() != a.dim()
             or any(qp.per_channel for qp in qps) or a.device.type != "cpu" or b.device.type != "cpu"
             or torch.broadcast_shapes(a.shape, b.shape) != a.shape or b.shape[:2] != a.shape[:2]):
@@ -248,7 +250,7 @@ class PlainInt8Backend(Backend):
     def lookup(self, a: torch.Tensor, table: torch.Tensor, qout: QParams) -> torch.Tensor:
         if a.dtype not in (torch.uint8, torch.int8):  # the table reads raw bytes: another dtype would be misread
             raise TypeError(f"an int8 lookup takes uint8/int8 activations, got {a.dtype}")
-        if native.loops is not None and not torch.jit.is_tracing() and native.dense_format(a) is not None:
+        if native.available() and not torch.jit.is_tracing() and native.dense_format(a) is not None:
             out = native.lookup_into(torch.empty_like(a, dtype=torch.uint8), a, table)
         else:  # a traced model records torch ops; the table is the same
             out = table[a.view(torch.uint8).long()]

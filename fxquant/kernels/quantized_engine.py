@@ -153,7 +153,7 @@ class _QuantizedDtypeBackend(Backend):
             raise TypeError(f"an int8 lookup on {self.name} takes quint8 activations, got {a.dtype}")
         scale, zp = qout.scalar()
         memory_format = native.dense_format(a)
-        if native.loops is None or torch.jit.is_tracing() or memory_format is None:  # traced: torch ops, same table
+        if not native.available() or torch.jit.is_tracing() or memory_format is None:  # traced: torch ops, same table
             return torch._make_per_tensor_quantized_tensor(table[a.int_repr().long()], scale, zp)
         out = torch._empty_affine_quantized(a.shape, scale=scale, zero_point=zp, dtype=torch.quint8,
                                             memory_format=memory_format)
@@ -172,12 +172,12 @@ class _QuantizedDtypeBackend(Backend):
         payload, loop = packed.payload
         scale, zp = out_qp.scalar()
         out = None
-        # the loops run on one thread: with more, fbgemm's Linear (split over them) won at 2 (docs/amx.md);
-        # qnnpack's stays 3-30x slower than the loops
-        if loop is not None and (loop.engine == "qnnpack" or torch.get_num_threads() == 1) and a.dim() >= 2 and \
-                a.is_contiguous() and not torch.jit.is_tracing():
+        if loop is not None and native.available(f"{loop.engine}_linear") and a.dim() >= 2 and a.is_contiguous() \
+                and not torch.jit.is_tracing():
             rows = a.reshape(-1, a.shape[-1])
-            if loop.takes(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
+            if not loop.takes(rows.shape[0]):
+                pass
+            elif loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
                 tiles = _native_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
                 out = None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
             else:
@@ -285,7 +285,7 @@ def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> to
     a traced export (it records fbgemm's Linear). An input with strided channels is made channels-last first, as
     the Linear would."""
     loop = t.native
-    if loop is None or torch.jit.is_tracing() or a.dtype != torch.quint8:
+    if loop is None or not native.available("upsample") or torch.jit.is_tracing() or a.dtype != torch.quint8:
         return None
     if a.stride(1) != 1 and a.shape[1] > 1:
         a = a.movedim(1, -1).contiguous().movedim(-1, 1)
@@ -319,7 +319,8 @@ def _native_conv(a: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu:
     records the engine's conv), a size where the engine's kernel is faster, or a process without AMX. An input with
     strided channels (fbgemm's 3-d convs return NCDHW) is made channels-last first, as the engine itself does."""
     spec = loop.spec
-    if torch.jit.is_tracing() or a.dtype != torch.quint8 or a.dim() != spec.dim + 2:
+    if not native.available(f"{loop.engine}_linear" if loop.linear else "conv") or torch.jit.is_tracing() or \
+            a.dtype != torch.quint8 or a.dim() != spec.dim + 2:
         return None
     kernel = loop.kernel[3 - spec.dim:]
     size = [(a.shape[2 + i] + 2 * spec.padding[i] - kernel[i]) // spec.stride[i] + 1 for i in range(spec.dim)]

@@ -43,6 +43,19 @@ def available_backends() -> tuple[str, ...]:
     return tuple(name for name, cls in sorted(_BACKENDS.items()) if cls.is_available())
 
 
+# The default's order of preference: oneDNN (plain int8 tensors, the fastest on every zoo model measured, with or
+# without AMX: docs/backends.md), then the engines on torch's deprecated quantized dtypes, then the reference.
+DEFAULT_PREFERENCE = ("onednn", "fbgemm", "qnnpack", "reference")
+
+
+def default_backend() -> str:
+    """The backend ``QuantConfig()`` uses on this machine: the first of :data:`DEFAULT_PREFERENCE` that this torch
+    build and CPU run. fbgemm and qnnpack stay opt-in wherever oneDNN is there, because they need the quantized
+    dtypes that torch 2.13 deprecates."""
+    available = available_backends()
+    return next(name for name in DEFAULT_PREFERENCE if name in available)
+
+
 def get_backend(name: str) -> Backend:
     """The shared instance of backend ``name``."""
     _ensure_builtin()

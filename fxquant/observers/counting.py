@@ -63,8 +63,8 @@ def _use_native(x: torch.Tensor, bins: int) -> bool:
     :func:`~fxquant.observers.hist_math.grid_for` keeps ``start / width`` below 2**22, so with up to 2**22 bins both
     edges are integers below 2**24 times a power of two.
     """
-    return (native.loops is not None and x.dtype == torch.float32 and x.device.type == "cpu" and bins <= _NATIVE_BINS
-            and torch.get_num_threads() <= 4)
+    return (native.available("histogram") and x.dtype == torch.float32 and x.device.type == "cpu"
+            and bins <= _NATIVE_BINS)
 
 
 def _native_scan(flat: torch.Tensor, grid: Grid) -> tuple[float, float, torch.Tensor | None]:

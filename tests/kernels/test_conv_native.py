@@ -25,7 +25,7 @@ from torch import nn
 
 import fxquant
 from fxquant import native
-from fxquant.cpu import has_amx_int8
+from fxquant.cpu import has_amx_int8, has_vnni, isa_level
 from fxquant.kernels.amx_conv import native_conv
 from fxquant.kernels.base import ConvSpec, PackedWeight
 from fxquant.kernels.registry import available_backends, get_backend
@@ -33,7 +33,10 @@ from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
 
 ENGINES = [name for name in ("fbgemm", "qnnpack") if name in available_backends()]
 pytestmark = pytest.mark.skipif("fbgemm" not in ENGINES, reason="no fbgemm engine in this torch build")
-LOOP = native.loops is not None and has_amx_int8()  # elsewhere the backends keep the engine's kernels (tested below)
+CONV_LOOP = native.loops is not None and has_amx_int8()  # elsewhere the engine's convs (tested below)
+ROW_LOOP = native.loops is not None and has_vnni()  # the few-row Linear loop needs AVX512-VNNI only
+WHY_NOT = f"this process has {'no C extension' if native.loops is None else 'ISA ' + isa_level()}"
+needs_tiles = pytest.mark.skipif(not CONV_LOOP, reason=f"the conv loop needs AMX-INT8; {WHY_NOT}")
 
 
 def _weight_qp(channels: int, gen: torch.Generator) -> QParams:
@@ -64,9 +67,16 @@ def _both(cin: int, cout: int, kernel: tuple[int, ...], stride: tuple[int, ...],
     spec = ConvSpec(dim, stride, padding, (1,) * dim, 1, False, (0,) * dim)
     b = torch.randn(cout, generator=gen) * 5 if bias else None
     packed = backend.prepack_conv(q_w, _weight_qp(cout, gen), b, spec, in_qp=in_qp)
-    assert (packed.payload[2] is not None) == LOOP
+    loop = packed.payload[2]
+    assert (loop is not None) == CONV_LOOP
     op = dataclasses.replace(packed, payload=(*packed.payload[:2], None))
-    return (backend.conv(a, packed, in_qp, out_qp, relu=relu), backend.conv(a, op, in_qp, out_qp, relu=relu), packed)
+    ran: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "conv_into", _counting(native.conv_into, "conv", ran))
+        got = backend.conv(a, packed, in_qp, out_qp, relu=relu)
+    out_size = [(n + 2 * p - k) // s + 1 for n, p, k, s in zip(size, padding, kernel, stride, strict=True)]
+    assert loop is not None and ran == (["conv"] if loop.takes(batch * math.prod(out_size)) else [])
+    return got, backend.conv(a, op, in_qp, out_qp, relu=relu), packed
 
 
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -95,6 +105,7 @@ CASES = [
 ]
 
 
+@needs_tiles
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-k{c[2]}-s{c[3]}-p{c[4]}" for c in CASES])
 @pytest.mark.parametrize("extreme", [False, True])
 @pytest.mark.parametrize("relu", [False, True])
@@ -105,6 +116,7 @@ def test_the_conv_loop_gives_the_engines_bits(case: tuple, extreme: bool, relu: 
     assert got.stride() == want.stride()  # channels last, as fbgemm returns it
 
 
+@needs_tiles
 @pytest.mark.parametrize("layout", ["sliced", "contiguous"])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("zero_points", [(0, 0), (255, 255), (128, 3)])
@@ -137,6 +149,10 @@ def one_thread() -> Iterator[None]:
 @pytest.mark.parametrize("engine", ENGINES)
 def test_the_linear_loop_gives_the_engines_bits(shape: tuple[int, ...], out_features: int, extreme: bool,
                                                 engine: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    rows = math.prod(shape[:-1])
+    expected = _linear_path(rows, rows * shape[-1] * out_features, engine)
+    if expected is None:
+        pytest.skip(f"{engine} keeps its own Linear for {rows} rows here: {WHY_NOT}")
     ran: list[str] = []
     for name in ("conv_into", "linear_rows_into"):
         monkeypatch.setattr(native, name, _counting(getattr(native, name), name, ran))
@@ -151,31 +167,21 @@ def test_the_linear_loop_gives_the_engines_bits(shape: tuple[int, ...], out_feat
     a = backend.quantize((levels - 90).float() * 0.02, in_qp)
     packed = backend.prepack_linear(q_w, _weight_qp(out_features, gen), torch.randn(out_features, generator=gen),
                                     in_qp=in_qp)
-    payload, loop = packed.payload
-    assert (loop is not None) == LOOP
-    op = dataclasses.replace(packed, payload=(payload, None))
+    op = dataclasses.replace(packed, payload=(packed.payload[0], None))
     for relu in (False, True):
         _same(backend.linear(a, packed, in_qp, out_qp, relu=relu), backend.linear(a, op, in_qp, out_qp, relu=relu))
-    rows = math.prod(shape[:-1])
-    tiles = rows >= 16 and rows * shape[-1] * out_features >= 1 << 20
-    assert ran == ([("conv_into" if tiles else "linear_rows_into")] * 2 if LOOP else [])
+    assert ran == [expected] * 2
 
 
-@pytest.mark.parametrize("threads", [2])
-def test_linears_keep_the_engines_kernel_on_several_threads(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    ran: list[str] = []
-    monkeypatch.setattr(native, "linear_rows_into", _counting(native.linear_rows_into, "rows", ran))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        backend = get_backend("fbgemm")
-        in_qp = QParams(torch.tensor(0.02), torch.tensor(90), *UINT8_RANGE)
-        packed = backend.prepack_linear(torch.ones(8, 64, dtype=torch.int8), _weight_qp(8, torch.Generator()), None,
-                                        in_qp=in_qp)
-        backend.linear(backend.quantize(torch.randn(2, 64), in_qp), packed, in_qp, in_qp, relu=False)
-    finally:
-        torch.set_num_threads(previous)
-    assert ran == []
+def _linear_path(rows: int, macs: int, engine: str) -> str | None:
+    """Which loop a Linear takes, as docs/amx.md states the measured rule: with AMX, tiles from 16 rows and 2**20
+    multiply-adds and the VNNI row loop below; with VNNI only, the row loop below 16 rows (fbgemm: below 8 rows or
+    2**22 multiply-adds); else None (the engine's Linear)."""
+    if CONV_LOOP:
+        return "conv_into" if rows >= 16 and macs >= 1 << 20 else "linear_rows_into"
+    if ROW_LOOP and rows < 16 and (engine == "qnnpack" or rows < 8 or macs < 1 << 22):
+        return "linear_rows_into"
+    return None
 
 
 def _counting(fn: Callable[..., bool], name: str, ran: list[str]) -> Callable[..., bool]:
@@ -185,7 +191,7 @@ def _counting(fn: Callable[..., bool], name: str, ran: list[str]) -> Callable[..
     return counted
 
 
-@pytest.mark.skipif(not LOOP, reason="the loop needs AMX-INT8 and the C extension")
+@needs_tiles
 def test_the_loop_is_taken_where_measured_faster() -> None:
     """fbgemm: every conv, Linears on 16+ rows; qnnpack: from ~2**17 multiply-adds (the engines' own kernels win
     below: see ``NativeConv.takes``)."""
@@ -212,7 +218,7 @@ def test_the_convs_it_does_not_take_keep_fbgemm() -> None:
     assert native_conv(weight[:, :4], w_qp, None, dataclasses.replace(spec, groups=2)) is None
     assert native_conv(weight, w_qp, None, dataclasses.replace(spec, dilation=(2, 2))) is None
     assert native_conv(weight, w_qp, None, dataclasses.replace(spec, transposed=True)) is None
-    assert (native_conv(weight, w_qp, None, spec) is not None) == LOOP
+    assert (native_conv(weight, w_qp, None, spec) is not None) == CONV_LOOP
 
 
 def test_an_exported_model_records_fbgemm_convs_and_computes_what_eager_does(tmp_path: Path) -> None:
@@ -238,3 +244,67 @@ def test_fxquant_native_0_turns_the_loops_off() -> None:
     env = {**os.environ, "FXQUANT_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True"
+
+
+@pytest.mark.skipif(not ROW_LOOP or CONV_LOOP, reason=f"the VNNI-only rule applies where AMX is not: {WHY_NOT}")
+def test_without_amx_linears_take_the_row_loop_below_the_measured_limits() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = ConvSpec(1, (1,), (0,), (1,), 1, False, (0,))
+    small = native_conv(torch.ones(256, 512, 1, dtype=torch.int8), _weight_qp(256, gen), None, rows, linear=True)
+    big = native_conv(torch.ones(1024, 1024, 1, dtype=torch.int8), _weight_qp(1024, gen), None, rows, linear=True)
+    qbig = native_conv(torch.ones(1024, 1024, 1, dtype=torch.int8), _weight_qp(1024, gen), None, rows, linear=True,
+                       engine="qnnpack")
+    conv = native_conv(torch.ones(8, 8, 3, 3, dtype=torch.int8), _weight_qp(8, gen), None,
+                       ConvSpec(2, (1, 1), (1, 1), (1, 1), 1, False, (0, 0)))
+    assert small is not None and big is not None and qbig is not None and conv is None
+    assert small.takes(8) and not small.takes(16) and not small.tiled(8)
+    assert big.takes(4) and not big.takes(8) and qbig.takes(15) and not qbig.takes(16)
+
+
+def _small_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.SiLU(),
+                         nn.Flatten(), nn.Linear(16 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 10)).eval()
+
+
+class _CountingLoops:
+    """Stands in for ``native.loops``: counts every call into the C extension."""
+
+    def __init__(self, loops: object) -> None:
+        self.loops, self.calls = loops, []
+
+    def __getattr__(self, name: str) -> object:
+        fn = getattr(self.loops, name)
+
+        def counted(*args: object) -> object:
+            self.calls.append(name)
+            return fn(*args)
+        return counted
+
+
+@pytest.mark.skipif(native.loops is None, reason="no C extension in this install")
+@pytest.mark.parametrize("backend", [b for b in ("fbgemm", "qnnpack", "onednn") if b in available_backends()])
+def test_at_eight_threads_no_one_thread_loop_runs_and_outputs_stay(backend: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The thread rule (``native.THREAD_LIMITS``, docs/amx.md): above a loop family's measured limit the engine's
+    kernel, split over torch's threads, runs instead. The same model at one thread does call loops (the counter
+    works) and gives the same bytes, since each loop computes what the kernel it replaces computes."""
+    prepared = fxquant.prepare(_small_net(), (torch.randn(1, 3, 8, 8),))
+    fxquant.calibrate(prepared, [torch.randn(4, 3, 8, 8) for _ in range(2)], progress=False)
+    qmodel = fxquant.convert(prepared, backend=backend)
+    x = torch.randn(2, 3, 8, 8)
+    counter = _CountingLoops(native.loops)
+    monkeypatch.setattr(native, "loops", counter)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(8)
+        with torch.inference_mode():
+            many = qmodel(x)
+        at_eight = list(counter.calls)
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            one = qmodel(x)
+    finally:
+        torch.set_num_threads(previous)
+    assert at_eight == [], at_eight
+    assert len(counter.calls) > 0, "the counter saw no loop at one thread either: the test would prove nothing"
+    assert torch.equal(many, one)

@@ -22,6 +22,7 @@ from kernel_contract_cases import (
     steps,
 )
 
+from fxquant.cpu import cpu_model, has_amx_int8, isa_level
 from fxquant.kernels.base import ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.qparams import QParams
@@ -55,11 +56,30 @@ def test_qlinear_pointwise_takes_the_real_output_scale() -> None:
     assert steps((raw(1 / 0.07).float() - 20) * 0.07, want, out_qp) > 1
 
 
-@pytest.mark.parametrize("kernel", [(2, 2, 2), (3, 3, 3)])
-def test_conv3d_on_a_padded_input_of_depth_one(kernel: tuple[int, int, int]) -> None:
-    """Raw oneDNN is up to 255 steps off here (every batch size); the backend pads the input itself."""
-    spec = ConvSpec(3, (1, 1, 1), (1, 1, 1), (1, 1, 1), 1)
-    case = ConvCase(spec, 2, 3, 16, kernel, (1, 5, 6), True, True, False)
+DEPTH_ONE_KERNELS = [(2, 2, 2), (3, 3, 3)]
+
+
+def _depth_one_case(kernel: tuple[int, int, int]) -> ConvCase:
+    return ConvCase(ConvSpec(3, (1, 1, 1), (1, 1, 1), (1, 1, 1), 1), 2, 3, 16, kernel, (1, 5, 6), True, True, False)
+
+
+@pytest.mark.parametrize("kernel", DEPTH_ONE_KERNELS)
+def test_conv3d_on_a_padded_input_of_depth_one_is_right(kernel: tuple[int, int, int]) -> None:
+    """The backend pads such inputs itself, so its output matches the reference on every CPU."""
+    assert _conv_lsb(_depth_one_case(kernel)) <= 1
+
+
+@pytest.mark.parametrize("kernel", DEPTH_ONE_KERNELS)
+def test_raw_onednn_conv3d_on_a_padded_input_of_depth_one(kernel: tuple[int, int, int]) -> None:
+    """The torch bug the workaround exists for: raw oneDNN is up to 255 steps off here (every batch size) on CPUs
+    with AMX (seen on Sapphire Rapids) and right on AVX512-VNNI CPUs without it (seen on AMD EPYC). Pinned where it
+    occurs (a torch that fixes it fails this test, so the workaround can go), skipped elsewhere; the test above
+    checks the backend's output on every CPU."""
+    if not has_amx_int8():
+        pytest.skip(f"the bug shows with oneDNN's AMX kernels; this CPU ({cpu_model()}) runs fxquant at ISA "
+                    f"{isa_level()}")
+    case = _depth_one_case(kernel)
+    spec = case.spec
     layer = conv_layer(case, (0, 255), 0)
     out_qp = output_qparams(float_conv(layer, spec))
     packed = torch.ops.onednn.qconv_prepack(layer.q_w, layer.w_qp.scale, *layer.in_qp.scalar(), [1, 1, 1],
@@ -69,8 +89,7 @@ def test_conv3d_on_a_padded_input_of_depth_one(kernel: tuple[int, int, int]) -> 
         layer.w_qp.scale, torch.zeros(16, dtype=torch.int64), layer.bias, [1, 1, 1], [1, 1, 1], [1, 1, 1], 1,
         *out_qp.scalar(), torch.uint8, "none", [], "")
     want = run_conv(reference_backend(), layer, spec, out_qp, relu=False)
-    assert steps((raw.float() - int(out_qp.zero_point)) * float(out_qp.scale), want, out_qp) > 1  # the torch bug
-    assert _conv_lsb(case) <= 1
+    assert steps((raw.float() - int(out_qp.zero_point)) * float(out_qp.scale), want, out_qp) > 1
 
 
 def test_conv3d_relu_is_a_clamp_after_the_op() -> None:

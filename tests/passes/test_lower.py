@@ -33,10 +33,11 @@ def test_chain_has_one_quantize_and_one_dequantize(backend: str) -> None:
     assert "quantize_0" in text  # print(converted.graph) shows the boundaries
 
 
-def test_resnet_stays_int8_through_adds_pooling_and_flatten() -> None:
+@pytest.mark.parametrize("backend", quantized_dtype_backends())  # onednn fuses the adds into the convs
+def test_resnet_stays_int8_through_adds_pooling_and_flatten(backend: str) -> None:
     model = create_model("resnet18", num_classes=10)
-    converted = fxquant.convert(calibrated(model, (1, 3, 64, 64), batches=2))
-    float_fc = get_backend("fbgemm").fuses_float_output  # the classifier returns float itself
+    converted = fxquant.convert(calibrated(model, (1, 3, 64, 64), batches=2), backend=backend)
+    float_fc = get_backend(backend).fuses_float_output  # the classifier returns float itself
     assert _count(converted, Quantize) == 1 and _count(converted, DeQuantize) == (0 if float_fc else 1)
     assert _count(converted, QuantizedAdd) == 8
     relu_fused = [m.relu for m in converted.modules() if isinstance(m, QuantizedAdd)]
@@ -48,7 +49,7 @@ def test_float_island_gets_dequantize_before_and_quantize_after() -> None:
     converted = fxquant.convert(calibrated(model, (4, 8)))
     ops = [type(m).__name__ for n in converted.graph.nodes if n.op == "call_module"
            for m in [converted.get_submodule(n.target)]]
-    if get_backend("fbgemm").fuses_float_output:  # both Linears are read only by float code: float outputs
+    if get_backend(fxquant.QuantConfig().backend).fuses_float_output:  # both Linears are read only by float code
         assert ops == ["Quantize", "QuantizedLinear", "LayerNorm", "Quantize", "QuantizedLinear"]
     else:
         assert ops == ["Quantize", "QuantizedLinear", "DeQuantize", "LayerNorm", "Quantize", "QuantizedLinear",

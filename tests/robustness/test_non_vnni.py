@@ -1,6 +1,6 @@
 """CPUs without VNNI: fbgemm (and oneDNN) sum pairs of u8*s8 products in 16 bits, so activations get 7 bits.
 
-``FXQUANT_ASSUME_NO_VNNI=1`` forces that path on any machine. Why the 7 bits exist (fbgemm's depthwise kernel
+``FXQUANT_ISA=avx512`` forces that path on any machine. Why the 7 bits exist (fbgemm's depthwise kernel
 saturating with full-range inputs) is pinned in tests/kernels/test_fbgemm_qnnpack_pitfalls.py and not repeated.
 """
 
@@ -71,7 +71,7 @@ def calibrated() -> torch.fx.GraphModule:
 @pytest.mark.parametrize("backend", SEVEN_BITS)
 def test_without_vnni_every_activation_is_seven_bit_and_matches_the_simulation(
         backend: str, calibrated: torch.fx.GraphModule, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXQUANT_ASSUME_NO_VNNI", "1")
+    monkeypatch.setenv("FXQUANT_ISA", "avx512")
     assert not has_vnni()
     qmodel = fxquant.convert(calibrated, backend=backend)
     ranges = _activation_qparams(qmodel)
