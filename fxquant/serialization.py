@@ -1,9 +1,10 @@
 """Reading and writing tensor files safely.
 
 Loading never executes code from the file: tensors load with ``torch.load(weights_only=True)``, which refuses any
-pickled object other than tensors and plain containers. Writing goes to a temporary file in the same directory that
-is then renamed over the target (``os.replace`` is atomic on POSIX and Windows), so an interrupted write never
-leaves a partial file behind.
+pickled object other than tensors and plain containers; a zip archive (torch's format) is refused before loading
+when its entries would expand beyond the file's own size (torch never compresses, so only a zip bomb does).
+Writing goes to a temporary file in the same directory that is then renamed over the target (``os.replace`` is
+atomic on POSIX and Windows), so an interrupted write never leaves a partial file behind.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import io
 import os
 import pickle
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,33 @@ from fxquant.errors import ArtifactError
 _CHUNK = 1 << 20
 
 
-def load_tensors(path: str | Path) -> Any:
-    """``torch.load(path, weights_only=True)``: a file that needs arbitrary unpickling is refused."""
+def check_archive(path: Path, *, zip_only: bool = False) -> None:
+    """Refuse a zip archive whose entries declare more bytes than the file holds (a zip bomb) before torch reads it.
+
+    ``zip_only``: also refuse torch's legacy (pre-zip) format, which fxquant never writes; for files in artifacts.
+    """
+    if not path.is_file():
+        return  # the caller's own "no such file" says it better
+    if not zipfile.is_zipfile(path):
+        if zip_only:
+            raise ArtifactError(f"{path}: not a torch zip archive (fxquant writes only those); refused to load")
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            declared = sum(entry.file_size for entry in archive.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise ArtifactError(f"{path}: corrupt tensor archive ({exc})") from None
+    if declared > path.stat().st_size:
+        raise ArtifactError(f"{path}: refused to load; its zip entries expand to {declared} bytes from a "
+                            f"{path.stat().st_size}-byte file (torch writes them uncompressed: a zip bomb?)")
+
+
+def load_tensors(path: str | Path, *, zip_only: bool = False) -> Any:
+    """``torch.load(path, weights_only=True)``: a file that needs arbitrary unpickling is refused, so is a zip bomb."""
     path = Path(path)
     if not path.is_file():
         raise ArtifactError(f"{path}: no such file")
+    check_archive(path, zip_only=zip_only)
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trust_file(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The command line's per-user trust record (``fxquant prepare`` writes it) goes to a temporary file: tests
+    never touch the real ``~/.local/state/fxquant``. Subprocesses inherit the variable."""
+    path = tmp_path_factory.mktemp("state") / "trusted-runs.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("FXQUANT_TRUST_FILE", str(path))
+        yield path
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 from fxquant.artifacts.manifest import MANIFEST_NAME, Manifest, read_manifest, verify_file
 from fxquant.errors import ArtifactError, FxQuantError
-from fxquant.serialization import atomic_write, load_tensors, sha256_bytes, tensor_bytes
+from fxquant.serialization import atomic_write, load_tensors, sha256_bytes, sha256_file, tensor_bytes
 
 _HASH_CHARS = 16
 
@@ -27,15 +27,17 @@ def _previous_files(directory: Path) -> set[str]:
     return set()
 
 
-def _write_tensor_file(directory: Path, role: str, obj: Any) -> tuple[str, str, bool]:
-    """Write ``obj`` as ``<role>-<hash>.pt`` unless that exact file exists; returns (name, sha256, written)."""
+def _write_tensor_file(directory: Path, role: str, obj: Any) -> tuple[dict[str, Any], bool]:
+    """Write ``obj`` as ``<role>-<hash>.pt`` unless that exact file exists; returns (its files entry, written)."""
     data = tensor_bytes(obj)
     digest = sha256_bytes(data)
     name = f"{role}-{digest[:_HASH_CHARS]}.pt"
-    if (directory / name).is_file():
-        return name, digest, False
-    atomic_write(directory / name, data)
-    return name, digest, True
+    entry: dict[str, Any] = {"name": name, "sha256": digest, "bytes": len(data)}
+    path = directory / name
+    if path.is_file() and not path.is_symlink() and path.stat().st_size == len(data) and sha256_file(path) == digest:
+        return entry, False
+    atomic_write(path, data)
+    return entry, True
 
 
 def commit(directory: str | Path, manifest: Manifest, tensors: dict[str, Any] | None = None) -> None:
@@ -51,9 +53,9 @@ def commit(directory: str | Path, manifest: Manifest, tensors: dict[str, Any] | 
     written: list[Path] = []
     try:
         for role, obj in (tensors or {}).items():
-            name, digest, new = _write_tensor_file(directory, role, obj)
-            written += [directory / name] if new else []
-            manifest.files[role] = {"name": name, "sha256": digest}
+            entry, new = _write_tensor_file(directory, role, obj)
+            written += [directory / entry["name"]] if new else []
+            manifest.files[role] = entry
         manifest.write(directory)
     except BaseException:
         for path in written:
@@ -66,7 +68,7 @@ def commit(directory: str | Path, manifest: Manifest, tensors: dict[str, Any] | 
 
 def load_role(directory: Path, manifest: Manifest, role: str) -> dict[str, Any]:
     """The verified (hash-checked, ``weights_only``) state dict playing ``role`` in the artifact."""
-    state = load_tensors(verify_file(directory, manifest, role))
+    state = load_tensors(verify_file(directory, manifest, role), zip_only=True)
     if not isinstance(state, dict):
         raise ArtifactError(f"{directory}: the {role} file holds a {type(state).__name__}, not a state dict")
     return state

@@ -27,6 +27,7 @@ import torch
 
 from fxquant.errors import ArtifactError
 from fxquant.observers import Observer
+from fxquant.serialization import check_archive
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ def save_checkpoint(path: str | os.PathLike[str], observers: Mapping[str, Observ
 
 
 def _read(path: Path) -> dict[str, Any]:
+    if path.is_symlink():  # it lives in RUN_DIR, which may come from someone else: read only what was written there
+        raise ArtifactError(f"calibration checkpoint {path} is a symbolic link; delete it or pass resume=False")
+    check_archive(path, zip_only=True)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from fxquant.cli import commands, results, stages
+from fxquant.cli.common import printable
 from fxquant.errors import FxQuantError
 
 EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -54,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+    return printable(" ".join(line.strip() for line in str(exc).splitlines() if line.strip())) or type(exc).__name__
 
 
 def _fail(args: argparse.Namespace, message: str, status: int) -> int:

@@ -21,7 +21,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from fxquant.cli.common import add_data_arguments, data_options, emit, positive_int
+from fxquant.cli.common import add_data_arguments, add_trust_arguments, data_options, emit, positive_int, trust_options
 from fxquant.cli.data import load_data
 from fxquant.cli.rundir import advance, open_run, rebuild_run
 from fxquant.errors import CalibrationError, FxQuantError, InputError
@@ -46,6 +46,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                            help="torch.distributed backend for --distributed: gloo (CPU, default) or nccl")
     calibrate.add_argument("--dist-timeout", type=float, default=300.0, metavar="S",
                            help="seconds a rank waits for the others at a collective (default: 300)")
+    add_trust_arguments(calibrate)
     calibrate.set_defaults(handler=_calibrate)
 
 
@@ -84,7 +85,7 @@ def _run(args: argparse.Namespace, *, distributed: bool) -> tuple[Path, Any, Any
 
     directory, manifest = open_run(args.run_dir)
     data = load_data(data_options(args))
-    _, prepared = rebuild_run(directory, manifest, stage="prepared")
+    prepared = rebuild_run(directory, manifest, trust_options(args), stage="prepared").model
     summary = calibrate(prepared, data, num_batches=args.batches, progress=not args.quiet,
                         skip_nonfinite=args.skip_nonfinite, checkpoint=directory / CHECKPOINT,
                         checkpoint_every=args.checkpoint_every, resume=args.resume, distributed=distributed)

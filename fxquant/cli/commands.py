@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fxquant.cli.common import emit, load_config
+from fxquant.cli.common import TRUST_SPEC_HELP, add_trust_arguments, emit, load_config, printable, trust_options
 from fxquant.cli.rundir import open_run, rebuild_run
 from fxquant.cli.specs import build_model, parse_example_inputs
 from fxquant.errors import InputError
@@ -15,10 +15,14 @@ from fxquant.errors import InputError
 
 def _model_source(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("run_dir", nargs="?", metavar="RUN_DIR", help=f"show the {what} of the run's latest stage")
-    parser.add_argument("--model", metavar="PKG.MODULE:FACTORY", help=f"or: prepare this model and show its {what}")
-    parser.add_argument("--weights", metavar="FILE", help="state dict to load into the model")
+    parser.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                        help=f"or: prepare this model and show its {what}; with RUN_DIR: the run's model factory, "
+                             "named again (docs/cli.md, Trust)")
+    parser.add_argument("--weights", metavar="FILE", help="state dict to load into the model (with RUN_DIR: the "
+                                                          "one it was prepared with)")
     parser.add_argument("--example-inputs", metavar="SPEC", help="e.g. 1x3x224x224,1x10")
     parser.add_argument("--config", metavar="FILE", help="QuantConfig as .json/.yaml/.toml")
+    parser.add_argument("--trust-model-spec", action="store_true", help=f"with RUN_DIR: {TRUST_SPEC_HELP}")
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -40,12 +44,13 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     export.add_argument("--format", choices=("torchscript",), default="torchscript")
     export.add_argument("-o", "--output", required=True, metavar="FILE")
     export.add_argument("--backend", help="export for this backend instead of the one the run was converted for")
+    add_trust_arguments(export)
     export.set_defaults(handler=_export)
 
     demo = sub.add_parser("demo", parents=[common],
                           help="train a small CNN on scikit-learn's digits, quantize it, print the report")
     demo.add_argument("--threads", type=int, default=1, help="torch threads for the latency measurement")
-    demo.add_argument("--backend", default="fbgemm")
+    demo.add_argument("--backend", help="default: the machine's default backend (onednn on x86-64)")
     demo.set_defaults(handler=_demo)
 
 
@@ -53,10 +58,13 @@ def _graph_model(args: argparse.Namespace) -> Any:
     from fxquant.api import prepare
 
     if args.run_dir is not None:
-        if args.model or args.example_inputs:
-            raise InputError("give either RUN_DIR or --model/--example-inputs, not both")
+        if args.example_inputs or args.config:
+            raise InputError("give either RUN_DIR or --model with --example-inputs/--config, not both (with RUN_DIR, "
+                             "--model only names the run's own model again)")
         directory, manifest = open_run(args.run_dir)
-        return rebuild_run(directory, manifest)[1]
+        return rebuild_run(directory, manifest, trust_options(args)).model
+    if args.trust_model_spec:
+        raise InputError("--trust-model-spec is for a RUN_DIR; without one, the model is the --model you give")
     if not args.model or not args.example_inputs:
         raise InputError("give RUN_DIR, or --model PKG.MODULE:FACTORY with --example-inputs SPEC")
     model = build_model(args.model, args.weights)
@@ -84,15 +92,28 @@ def _coverage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trusted_here(directory: Path, manifest: Any) -> str:
+    from fxquant.cli.source import Source, trust_status
+    from fxquant.errors import ArtifactError
+
+    if not manifest.source:
+        return "- (saved with fxquant.save: names no model; fxquant.load(path, model) takes yours)"
+    try:
+        return trust_status(directory, Source.from_manifest(directory, manifest))
+    except ArtifactError as exc:
+        return f"BAD: {exc}"
+
+
 def _inspect_text(directory: Path, manifest: Any, files: dict[str, str]) -> str:
     from fxquant import __version__
 
-    source = manifest.source or {}
+    source = manifest.source if isinstance(manifest.source, dict) else {}
     lines = [f"run directory  {directory}", f"stage          {manifest.stage}",
              f"made with      fxquant {manifest.fxquant_version}, torch {manifest.torch_version} (now: fxquant "
              f"{__version__})", f"model          {source.get('model', '(saved with fxquant.save)')}",
              f"weights        {source.get('weights') or '-'}",
              f"example inputs {source.get('example_inputs') or manifest.example_inputs}",
+             f"trusted here   {_trusted_here(directory, manifest)}",
              f"backend        {manifest.backend or '-'}", f"calibrated on  {manifest.calibration_samples} samples",
              "config         " + ", ".join(f"{k}={v}" for k, v in manifest.config.items() if k != "version"),
              "files"]
@@ -100,8 +121,8 @@ def _inspect_text(directory: Path, manifest: Any, files: dict[str, str]) -> str:
     lines.append("history")
     for step in manifest.history:
         details = ", ".join(f"{k}={v}" for k, v in step.items() if k not in ("stage", "at", "fxquant_version"))
-        lines.append(f"  {step['at']}  {step['stage']:<10} {details}")
-    return "\n".join(lines)
+        lines.append(f"  {step.get('at')}  {step.get('stage')!s:<10} {details}")
+    return printable("\n".join(lines))
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -131,10 +152,10 @@ def _export(args: argparse.Namespace) -> int:
 
     directory, manifest = open_run(args.run_dir, needs="calibrated" if args.backend else "converted")
     if args.backend and args.backend != manifest.backend:
-        _, prepared = rebuild_run(directory, manifest, stage="calibrated")
+        prepared = rebuild_run(directory, manifest, trust_options(args), stage="calibrated").model
         quantized = convert(prepared, backend=args.backend)
     else:
-        _, quantized = rebuild_run(directory, manifest)
+        quantized = rebuild_run(directory, manifest, trust_options(args)).model
     path = export(quantized, args.output, format=args.format)
     emit(args, f"wrote {path} ({path.stat().st_size / 1024:.1f} KiB); load it with torch.jit.load, no fxquant "
                "needed", {"output": str(path), "format": args.format, "bytes": path.stat().st_size})

@@ -1,4 +1,4 @@
-"""Helpers shared by the subcommands: output (text or ``--json``), option types, config and data options."""
+"""Helpers shared by the subcommands: output (text or ``--json``), option types, config, data and trust options."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from fxquant.cli.data import DataOptions
+from fxquant.cli.source import TrustOptions
 from fxquant.config import QuantConfig
 
 
@@ -16,6 +17,11 @@ def emit(args: argparse.Namespace, text: str, data: dict[str, Any]) -> None:
         print(json.dumps({"ok": True, "command": args.command, **data}, indent=2, default=str))
     elif text:
         print(text)
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters escaped: a run directory from someone else must not drive the terminal."""
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
 
 
 def positive_int(text: str) -> int:
@@ -46,3 +52,22 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, split: str) -> None:
 def data_options(args: argparse.Namespace) -> DataOptions:
     columns = tuple(c.strip() for c in args.columns.split(",") if c.strip()) if args.columns else ()
     return DataOptions(args.data, args.batch_size, columns, args.transform, args.split)
+
+
+TRUST_SPEC_HELP = ("import and call the model factory RUN_DIR names without --model; what is imported is printed to "
+                   "stderr first (docs/cli.md, Trust)")
+
+
+def add_trust_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` / ``--weights`` / ``--trust-model-spec``: needed for a RUN_DIR you did not prepare here."""
+    group = parser.add_argument_group("a run directory you did not prepare here (docs/cli.md, Trust)")
+    group.add_argument("--model", metavar="PKG.MODULE:FACTORY",
+                       help="the run's model factory, named again: imported only if it is the one RUN_DIR was "
+                            "prepared from")
+    group.add_argument("--weights", metavar="FILE", help="the weights file RUN_DIR was prepared with (checked by "
+                                                         "SHA-256)")
+    group.add_argument("--trust-model-spec", action="store_true", help=TRUST_SPEC_HELP)
+
+
+def trust_options(args: argparse.Namespace) -> TrustOptions:
+    return TrustOptions(args.model, args.weights, args.trust_model_spec)

@@ -22,9 +22,9 @@ from typing import Any
 
 from torch import fx
 
-from fxquant.cli.common import data_options, emit, positive_int
+from fxquant.cli.common import add_trust_arguments, data_options, emit, positive_int, trust_options
 from fxquant.cli.data import DataOptions, load_data
-from fxquant.cli.rundir import Source, advance, open_run, rebuild_run
+from fxquant.cli.rundir import advance, open_run, rebuild_run
 from fxquant.cli.specs import metric_spec, parse_example_inputs
 from fxquant.errors import InputError
 
@@ -58,6 +58,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     budget.add_argument("--columns", metavar="A,B", help="dataset columns / .npz arrays of --data to feed")
     budget.add_argument("--transform", metavar="PKG.MODULE:FUNCTION", help="applied to each --data batch")
     budget.add_argument("--split", default="train", help="dataset split of --data (default: train)")
+    add_trust_arguments(convert)
     convert.set_defaults(handler=_convert)
 
 
@@ -91,7 +92,7 @@ def _plain(args: argparse.Namespace) -> int:
     from fxquant.api import convert
 
     directory, manifest = open_run(args.run_dir, needs="calibrated")
-    _, prepared = rebuild_run(directory, manifest, stage="calibrated")
+    prepared = rebuild_run(directory, manifest, trust_options(args), stage="calibrated").model
     timing = parse_example_inputs(args.example_inputs) if args.example_inputs else None
     quantized = convert(prepared, backend=args.backend, example_inputs=timing)
     _write(args, prepared, quantized, extra={})
@@ -133,12 +134,11 @@ def _within_budget(args: argparse.Namespace) -> int:
     from fxquant.report.metrics import resolve_metric
 
     directory, manifest = open_run(args.run_dir, needs="calibrated")
-    model, prepared = rebuild_run(directory, manifest, stage="calibrated")
+    model, prepared, example = rebuild_run(directory, manifest, trust_options(args), stage="calibrated")
     metric = resolve_metric(metric_spec(args.metric))  # the same names and specs as fxquant report
     eval_fn = functools.partial(score, data=load_data(_eval_options(args)), metric=metric,
                                 params=forward_parameters(prepared)[0])
     calibration = load_data(data_options(args))
-    example = parse_example_inputs(Source.from_manifest(directory, manifest).example_inputs)
     budget = args.max_accuracy_drop / metric.points_per_unit
     config = manifest.quant_config()
     config = dataclasses.replace(config, backend=args.backend) if args.backend else config

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fxquant.cli.common import add_data_arguments, data_options, emit, positive_int
+from fxquant.cli.common import add_data_arguments, add_trust_arguments, data_options, emit, positive_int, trust_options
 from fxquant.cli.data import load_data
 from fxquant.cli.rundir import open_run, rebuild_run
 from fxquant.cli.specs import metric_spec
@@ -26,6 +26,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     report.add_argument("--threads", type=positive_int, help="torch threads for latency (default: torch's)")
     report.add_argument("--latency-budget", type=float, default=10.0, metavar="SECONDS",
                         help="time spent measuring latency (default: 10)")
+    add_trust_arguments(report)
     report.set_defaults(handler=_report)
 
     regress = sub.add_parser("regress", parents=[common], help="compare a report with a baseline; exit 1 on a "
@@ -45,7 +46,7 @@ def _report(args: argparse.Namespace) -> int:
     directory, manifest = open_run(args.run_dir, needs="converted")
     data = load_data(data_options(args))
     metric = metric_spec(args.metric)
-    float_model, quantized = rebuild_run(directory, manifest)
+    float_model, quantized, _ = rebuild_run(directory, manifest, trust_options(args))
     result = report(float_model, quantized, data, metric=metric, progress=not args.quiet, max_batches=args.batches,
                     threads=args.threads, latency_budget_s=args.latency_budget)
     fmt = "json" if args.json and not args.output else args.format

@@ -1,77 +1,41 @@
 """RUN_DIR: the command line's artifact directory, one stage after another.
 
 A run directory is an ordinary fxquant artifact (``fxquant.load(RUN_DIR, model)`` reads it) whose manifest also names
-its *source*: the model factory, the weights file and its hash, and the example-input spec. Each later command
-rebuilds the model from that source and checks the rebuilt graph against the manifest before doing anything, and
-commits its results atomically, so a failing command leaves the directory exactly as it was.
+its *source* (:mod:`fxquant.cli.source`): the model factory, the weights file's name and hash, and the example-input
+spec; the example inputs themselves are stored in it as tensors. Each later command authorizes the import of the
+factory (the run directory alone never can), rebuilds the model, checks the rebuilt graph against the manifest
+before doing anything, and commits its results atomically, so a failing command leaves the directory as it was.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import torch
 from torch import fx, nn
 
 from fxquant.artifacts.manifest import MANIFEST_NAME, STAGES, Manifest, read_manifest
 from fxquant.artifacts.model_io import manifest_for, rebuild
-from fxquant.artifacts.store import commit
-from fxquant.cli.specs import build_model, parse_example_inputs
+from fxquant.artifacts.store import commit, load_role
+from fxquant.cli.source import Recipe, Source, TrustOptions, authorize
+from fxquant.cli.trust import remember
 from fxquant.config import QuantConfig
 from fxquant.errors import ArtifactError, CalibrationError, InputError
-from fxquant.serialization import sha256_file, state_dict_sha256
+from fxquant.serialization import state_dict_sha256
+
+INPUTS = "inputs"  # the files role of the stored example inputs: {"example_inputs": tuple}
+_PLAIN = (int, float, bool, str, type(None))
+_NO_OPTIONS = TrustOptions()  # no --model/--weights/--trust-model-spec: the trust record decides
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where a run's float model comes from; recorded by ``fxquant prepare``, replayed by every later command."""
+class Rebuilt(NamedTuple):
+    """A run rebuilt by a later stage: the float model, the run's model at the stage asked for, the example inputs."""
 
-    model: str
-    example_inputs: str
-    weights: str | None = None
-    weights_sha256: str | None = None
-    model_sha256: str | None = None  # of the float model's state dict, as the factory (+ weights) built it
-
-    @classmethod
-    def from_args(cls, model: str, example_inputs: str, weights: str | None) -> Source:
-        if weights is None:
-            return cls(model, example_inputs)
-        path = Path(weights)
-        if not path.is_file():
-            raise InputError(f"--weights {weights!r}: no such file")
-        return cls(model, example_inputs, str(path.resolve()), sha256_file(path))
-
-    @classmethod
-    def from_manifest(cls, directory: Path, manifest: Manifest) -> Source:
-        if not manifest.source:
-            raise ArtifactError(f"{directory} was written by fxquant.save, not by `fxquant prepare`: it does not "
-                                "name its model. Load it in Python with fxquant.load(path, model)")
-        try:
-            return cls(**manifest.source)
-        except TypeError as exc:
-            raise ArtifactError(f"{directory / MANIFEST_NAME}: invalid source entry ({exc})") from None
-
-    def _check_weights(self) -> None:
-        if self.weights is None:
-            return
-        if not Path(self.weights).is_file():
-            raise InputError(f"the weights file {self.weights} recorded by `fxquant prepare` is missing; restore it "
-                             "or prepare a new run")
-        if sha256_file(self.weights) != self.weights_sha256:
-            raise ArtifactError(f"the weights file {self.weights} changed since `fxquant prepare` (SHA-256 "
-                                "mismatch); prepare a new run for the new weights")
-
-    def build(self) -> tuple[nn.Module, tuple[Any, ...]]:
-        """The float model (eval mode, weights loaded) and the example inputs; checked against the recorded hash."""
-        self._check_weights()
-        model = build_model(self.model, self.weights)
-        if self.model_sha256 is not None and state_dict_sha256(model.state_dict()) != self.model_sha256:
-            raise ArtifactError(f"--model {self.model!r} now builds different weights than at `fxquant prepare` "
-                                "(the factory or its checkpoint changed, or it is not deterministic); pass the "
-                                "weights with --weights, or prepare a new run")
-        return model, parse_example_inputs(self.example_inputs)
+    float_model: nn.Module
+    model: fx.GraphModule
+    example_inputs: tuple[Any, ...]
 
 
 def _check_target(directory: Path, overwrite: bool) -> None:
@@ -83,19 +47,48 @@ def _check_target(directory: Path, overwrite: bool) -> None:
         raise InputError(f"-o {directory} is not empty and holds no fxquant run; choose a new or empty directory")
 
 
-def create_run(directory: Path, source: Source, config: QuantConfig, *,
+class _NotPlain(Exception):
+    pass
+
+
+def _plain_copy(value: Any) -> Any:
+    """``value`` as compact copies of plain tensors and containers: what ``weights_only`` loads back."""
+    if type(value) is torch.Tensor:
+        return value.detach().clone()
+    if type(value) in _PLAIN:
+        return value
+    if type(value) in (tuple, list):
+        return type(value)(_plain_copy(v) for v in value)
+    if type(value) is dict and all(type(k) is str for k in value):
+        return {k: _plain_copy(v) for k, v in value.items()}
+    raise _NotPlain
+
+
+def _inputs_file(example: tuple[Any, ...]) -> dict[str, Any]:
+    """The tensors to store for the example inputs (none when they are not plain data: then later stages call the
+    example-input factory again, as trusted code)."""
+    try:
+        return {INPUTS: {"example_inputs": _plain_copy(example)}}
+    except _NotPlain:
+        return {}
+
+
+def create_run(directory: Path, source: Source, recipe: Recipe, config: QuantConfig, *,
                overwrite: bool = False) -> tuple[Manifest, fx.GraphModule]:
-    """``fxquant prepare``: build, prepare and record a new run; returns its manifest and the prepared model."""
+    """``fxquant prepare``: build, prepare and record a new run (and vouch for it); returns its manifest and the
+    prepared model."""
     from fxquant.api import prepare
 
     _check_target(directory, overwrite)
-    model, example = source.build()
+    model = recipe.build(source)
+    example = recipe.example_inputs(source.example_inputs)
     prepared = prepare(model, example, config)
     manifest, _ = manifest_for(prepared)
     source = dataclasses.replace(source, model_sha256=state_dict_sha256(model.state_dict()))
     manifest.source = dataclasses.asdict(source)
     manifest.record("prepared", model=source.model)
-    commit(directory, manifest)
+    commit(directory, manifest, _inputs_file(example))
+    remember(directory, source.trusted_run(recipe.weights))
     return manifest, prepared
 
 
@@ -110,13 +103,30 @@ def open_run(directory: str | Path, *, needs: str = "prepared") -> tuple[Path, M
     return path, manifest
 
 
-def rebuild_run(directory: Path, manifest: Manifest, *,
-                stage: str | None = None) -> tuple[nn.Module, fx.GraphModule]:
-    """The float model and the run's model rebuilt up to ``stage`` (default: the stage it reached)."""
+def _stored_inputs(directory: Path, manifest: Manifest) -> tuple[Any, ...]:
+    value = load_role(directory, manifest, INPUTS).get("example_inputs")
+    if not isinstance(value, (tuple, list)):
+        raise ArtifactError(f"{directory}: the inputs file holds no tuple of example inputs")
+    return tuple(value)
+
+
+def rebuild_run(directory: Path, manifest: Manifest, options: TrustOptions = _NO_OPTIONS, *,
+                stage: str | None = None) -> Rebuilt:
+    """The float model and the run's model rebuilt up to ``stage`` (default: the stage it reached).
+
+    Nothing is imported before :func:`fxquant.cli.source.authorize` allowed it for this user, this directory and
+    ``options`` (the command line's ``--model`` / ``--weights`` / ``--trust-model-spec``).
+    """
     source = Source.from_manifest(directory, manifest)
-    model, example = source.build()
+    stored = INPUTS in manifest.files
+    recipe = authorize(directory, source, options, inputs_stored=stored)
+    example = _stored_inputs(directory, manifest) if stored else recipe.example_inputs(source.example_inputs)
+    model = recipe.build(source)
     target = manifest if stage is None else dataclasses.replace(manifest, stage=stage)
-    return model, rebuild(directory, target, model, example)
+    rebuilt = Rebuilt(model, rebuild(directory, target, model, example), example)
+    if recipe.remember:
+        remember(directory, source.trusted_run(recipe.weights))
+    return rebuilt
 
 
 def advance(directory: Path, manifest: Manifest, stage: str, tensors: dict[str, Any], **details: Any) -> None:

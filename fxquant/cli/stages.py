@@ -12,7 +12,8 @@ from pathlib import Path
 
 from fxquant.cli import calibrate, convert
 from fxquant.cli.common import emit, load_config
-from fxquant.cli.rundir import Source, create_run
+from fxquant.cli.rundir import create_run
+from fxquant.cli.source import from_command_line
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -33,8 +34,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 def _prepare(args: argparse.Namespace) -> int:
     from fxquant.calibration import observers_of
 
-    source = Source.from_args(args.model, args.example_inputs, args.weights)
-    manifest, prepared = create_run(Path(args.output), source, load_config(args.config), overwrite=args.overwrite)
+    source, recipe = from_command_line(args.model, args.example_inputs, args.weights)
+    manifest, prepared = create_run(Path(args.output), source, recipe, load_config(args.config),
+                                    overwrite=args.overwrite)
     count = len(observers_of(prepared))
     emit(args, f"prepared {args.model}: {count} observers inserted; {args.output} is at stage 'prepared'\n"
                f"next: fxquant calibrate {args.output} --data SPEC",

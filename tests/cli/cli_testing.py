@@ -47,6 +47,19 @@ def error_line(outcome: Outcome | subprocess.CompletedProcess[str], command: str
     return lines[0]
 
 
+def trusted_copy(run: Path, copy: Path) -> Path:
+    """Copy a run directory and vouch for the copy as ``prepare`` would have (a copy is another run: untrusted)."""
+    import shutil
+
+    from fxquant.cli import trust
+
+    shutil.copytree(run, copy)
+    record = trust.lookup(run)
+    assert record is not None, f"{run} is not in the trust record"
+    trust.remember(copy, record)
+    return copy
+
+
 def snapshot(directory: Path) -> dict[str, str]:
     """Relative path -> SHA-256 of every file under ``directory``: 'nothing changed' means equal snapshots."""
     return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()

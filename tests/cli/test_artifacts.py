@@ -129,8 +129,9 @@ def test_a_pickled_payload_is_refused_even_with_matching_hashes(tmp_path: Path) 
     fxquant.save(_quantized(), tmp_path / "art")
     observers = next((tmp_path / "art").glob("observers-*.pt"))
     torch.save({"observer_0.min_val": _Payload(tmp_path / "code-ran")}, observers)
-    digest = hashlib.sha256(observers.read_bytes()).hexdigest()
-    _resign(tmp_path / "art", lambda m: m["files"]["observers"].update(sha256=digest))
+    data = observers.read_bytes()
+    entry = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    _resign(tmp_path / "art", lambda m: m["files"]["observers"].update(entry))
     with pytest.raises(ArtifactError, match="refused to load"):
         fxquant.load(tmp_path / "art", _model())
     assert not (tmp_path / "code-ran").exists()

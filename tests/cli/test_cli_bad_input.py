@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_testing import error_line, main_cli, run_cli, snapshot
+from cli_testing import error_line, main_cli, run_cli, snapshot, trusted_copy
 
 from fxquant.artifacts.manifest import checksum
 
@@ -33,9 +33,7 @@ def converted_run(tmp_path_factory: pytest.TempPathFactory, digits_weights: Path
 
 @pytest.fixture
 def run(converted_run: Path, tmp_path: Path) -> Path:
-    copy = tmp_path / "run"
-    shutil.copytree(converted_run, copy)
-    return copy
+    return trusted_copy(converted_run, tmp_path / "run")
 
 
 def _edit_manifest(run: Path, change: Callable[[dict], None], *, resign: bool) -> None:
@@ -123,8 +121,9 @@ def test_pickled_payload_in_a_tensor_file_is_refused(run: Path, tmp_path: Path) 
     marker = tmp_path / "code-ran"
     observers = next(run.glob("observers-*.pt"))
     torch.save({"observer_0.min_val": _Payload(marker)}, observers)
-    digest = hashlib.sha256(observers.read_bytes()).hexdigest()
-    _edit_manifest(run, lambda m: m["files"]["observers"].update(sha256=digest), resign=True)
+    data = observers.read_bytes()
+    entry = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    _edit_manifest(run, lambda m: m["files"]["observers"].update(entry), resign=True)
     line = _fails_cleanly(run, "convert", str(run))
     assert "refused to load" in line and not marker.exists()
 
@@ -135,18 +134,21 @@ def test_run_dir_from_a_newer_fxquant(run: Path) -> None:
     assert "fxquant 9.0.0 in artifact format 99" in line and "upgrade fxquant" in line
 
 
-def test_model_whose_graph_changed(run: Path) -> None:
+def test_model_whose_graph_changed(run: Path, digits_weights: Path) -> None:
+    """The user names the model (a changed one) and the manifest agrees: the graph check refuses it."""
     _edit_manifest(run, lambda m: m["source"].update(model="cli_helpers:changed_digits_cnn"), resign=True)
-    line = _fails_cleanly(run, "convert", str(run))
+    line = _fails_cleanly(run, "convert", str(run), "--model", "cli_helpers:changed_digits_cnn",
+                          "--weights", str(digits_weights))
     assert "the model's graph no longer matches the artifact" in line and "softmax" in line
 
 
-def test_weights_changed_since_prepare(run: Path, tmp_path: Path, digits_weights: Path) -> None:
-    weights = tmp_path / "weights.pt"
+def test_weights_changed_since_prepare(tmp_path: Path, digits_weights: Path) -> None:
+    weights, run = tmp_path / "weights.pt", tmp_path / "run"
     shutil.copy(digits_weights, weights)
-    _edit_manifest(run, lambda m: m["source"].update(weights=str(weights)), resign=True)
+    assert main_cli("prepare", *MODEL, "--weights", str(weights), "-o", str(run)).returncode == 0
     torch.save({k: v + 1 for k, v in torch.load(weights, weights_only=True).items()}, weights)
-    assert "changed since `fxquant prepare`" in _fails_cleanly(run, "convert", str(run))
+    assert "changed since `fxquant prepare`" in _fails_cleanly(run, "calibrate", str(run), "--data",
+                                                                 "cli_helpers:calib_batches")
 
 
 def test_factory_that_builds_different_weights_each_time(tmp_path: Path) -> None:

@@ -114,7 +114,8 @@ def test_budget_missed_writes_the_closest_model_and_exits_3(budget_setup: Path) 
     (("--max-accuracy-drop", "abc"), "expected a number of metric points >= 0"),
     (("--max-accuracy-drop", "0.5"), "--max-accuracy-drop needs --eval-data and --data"),
     (("--eval-data", "test.npz"), "--eval-data only serve --max-accuracy-drop"),
-    (("--example-inputs", "32x1x8x8"), "the backend here is 'fbgemm'. Drop example_inputs, or pass backend='auto'"),
+    (("--backend", "reference", "--example-inputs", "32x1x8x8"),
+     "the backend here is 'reference'. Drop example_inputs, or pass backend='auto'"),
     (("--backend", "auto", "--example-inputs", "32x1x9"), "the model does not run on Tensor(32, 1, 9)"),
 ])
 def test_bad_budget_input_is_one_line_and_leaves_the_run(budget_setup: Path, extra: tuple[str, ...],

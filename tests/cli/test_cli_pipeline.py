@@ -66,6 +66,7 @@ def test_prepare_calibrate_convert_report_regress_export(tmp_path: Path, digits_
     assert same.returncode == 0, same.stderr
 
     exported = tmp_path / "model.pt"
+    _check(run_cli("convert", str(run), "--backend", "fbgemm"), "convert")  # TorchScript records fbgemm's ops
     _check(run_cli("export", str(run), "-o", str(exported)), "export")
     images = load_digits_splits()["test"][0][:50]
     torch.save(images, tmp_path / "images.pt")
@@ -98,6 +99,6 @@ def test_inspect_and_graph_describe_the_run(tmp_path: Path, digits_weights: Path
     assert info["stage"] == "converted" and info["backend"] == "reference"
     assert [step["stage"] for step in info["history"]] == ["prepared", "calibrated", "converted"]
     assert info["source"]["model"] == "fxquant.models:digits_cnn" and info["calibration_samples"] == 64
-    assert set(info["file_status"]) == {"observers", "quantized"}
+    assert set(info["file_status"]) == {"inputs", "observers", "quantized"}  # inputs: the stored example inputs
     assert all(status.startswith("ok") for status in info["file_status"].values())
     assert "fxquant 0.1.0" in main_cli("inspect", str(run)).stdout
