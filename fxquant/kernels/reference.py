@@ -9,7 +9,10 @@ Why the accumulators are exact:
 * linear uses ``torch._int_mm`` (int8 x int8 -> int32; on CPU it takes any shape). The uint8 activation is shifted
   to int8 by subtracting 128 and the shift is added back as ``(128 - zp) * sum(w)``; every product is at most
   ``2**14`` in magnitude, so int32 cannot overflow below ``K = 2**17`` inputs. Longer rows use float64, and so do
-  rows of a single input: with ``K == 1`` torch 2.13's CPU ``_int_mm`` returns garbage.
+  rows of a single input: with ``K == 1`` torch 2.13's CPU ``_int_mm`` returns garbage. So does every row where
+  oneDNN, which runs ``_int_mm``, lacks VNNI (a CPU without it, or ``ONEDNN_MAX_CPU_ISA`` below it): it sums pairs
+  of products in 16 bits and saturates (measured 79-171 output steps off). A probe of saturating values, run once,
+  tells; where it fails, every linear takes float64.
 * conv and long linears run float64 ``F.conv``/``matmul`` on the integers ``q_x - zp_x`` and ``q_w``. Each product is
   below ``2**15`` and every partial sum stays far below ``2**53``, so each float64 operation is exact whatever the
   summation order (BLAS blocking, FMA). PyTorch's float64 CPU convolution is direct/im2col; the transforms that are
@@ -19,6 +22,7 @@ Why the accumulators are exact:
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,11 +50,18 @@ class IntegerWeight:
     spec: ConvSpec | None = None
 
 
+@functools.cache
+def int_mm_is_exact() -> bool:
+    """Whether this process's ``torch._int_mm`` sums products in 32 bits: pairs of ``127 * 127`` overflow int16."""
+    ones = torch.full((17, 64), 127, dtype=torch.int8)
+    return bool((torch._int_mm(ones, ones.t().contiguous()) == 127 * 127 * 64).all())
+
+
 def integer_linear(a: torch.Tensor, zero_point: int, weight: torch.Tensor) -> torch.Tensor:
     """``(a - zero_point) @ weight.T`` for uint8 ``a`` and int8 ``weight``, exactly, as float64 integers."""
     k = a.shape[-1]
     rows = a.reshape(-1, k)
-    if 1 < k < _INT32_SAFE_K:
+    if 1 < k < _INT32_SAFE_K and int_mm_is_exact():
         shifted = (rows.to(torch.int16) - 128).to(torch.int8)
         acc = torch._int_mm(shifted, weight.t()).to(torch.float64)
         acc += (128 - zero_point) * weight.sum(1, dtype=torch.int64).to(torch.float64)
