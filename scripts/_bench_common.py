@@ -27,9 +27,10 @@ import torch
 from torch import fx, nn
 
 import fxquant
+from fxquant.auto import FAMILIES
 from fxquant.cpu import cpu_model, isa_summary
 from fxquant.models import create_model, example_inputs
-from fxquant.report.latency import LatencyStats, num_threads
+from fxquant.report.latency import LatencyStats
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Candidate:
     qdq: QdqCount | None = None
     note: str = ""  # how it was built, when a reader of the tables should know (e.g. a workaround)
     lazy: bool = False  # its first call at a new shape or thread count builds something (a compile, a session)
+    model: fx.GraphModule | None = None  # fxquant's converted model, to tell two candidates that execute the same
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,29 @@ def fxquant_candidate(prepared: fx.GraphModule, backend: str, timing: tuple[torc
                       ) -> Candidate:
     """``timing``: the inputs ``backend="auto"`` measures kernels on (its deployment batch); None for the others."""
     qmodel = fxquant.convert(prepared, backend=backend, example_inputs=timing)
-    return Candidate(f"fxquant[{backend}]", qmodel, count_fxquant_qdq(qmodel))
+    return Candidate(f"fxquant[{backend}]", qmodel, count_fxquant_qdq(qmodel), model=qmodel)
+
+
+def executed_model(gm: fx.GraphModule) -> tuple[Any, ...]:
+    """What runs: every node (op, target or module class) and every Linear/Conv's backend.
+
+    Two fxquant models with equal signatures run the same graph with the same layer kernels (``auto`` whose every
+    layer took one backend's kernel is that backend's model), so a benchmark times them once. Non-layer modules
+    (quantize, add, pool) count by their backend's family (``fxquant.auto.FAMILIES``, one activation representation):
+    ``auto`` lowers them with the family's first member, and within a family they run the same torch ops.
+    """
+    def family(module: nn.Module) -> str:
+        name = getattr(getattr(module, "backend", None), "name", "")
+        return next(("+".join(f) for f in FAMILIES if name in f), name)
+
+    def target(node: fx.Node) -> tuple[str, ...]:
+        if node.op != "call_module":
+            return (node.op, str(getattr(node.target, "__name__", node.target)))
+        module = gm.get_submodule(str(node.target))
+        return (node.op, type(module).__name__, family(module))
+
+    layers = tuple((r.path, r.kind, r.quantized, r.backend) for r in fxquant.coverage(gm).layers)
+    return tuple(target(node) for node in gm.graph.nodes), layers
 
 
 def sqnr_db(reference: torch.Tensor, actual: torch.Tensor) -> float:
@@ -150,7 +174,6 @@ def register_peer(cls: P) -> P:
 FP32 = "fp32"
 Where = tuple[str, int, int]  # model, batch, threads
 PEER_MODULES = ("_peers_torch_ao", "_peers_pt2e", "_peers_ort")
-BETWEEN_OPS = "(between ops)"
 
 
 def load_peers() -> dict[str, Peer]:
@@ -168,25 +191,6 @@ def _quiet_torch_deprecations() -> Iterator[None]:
         warnings.simplefilter("ignore", FutureWarning)
         warnings.filterwarnings("ignore", message=r".*(reduce_range|quantized tensor creation).*")
         yield
-
-
-def top_ops(candidate: Candidate, inputs: tuple[torch.Tensor, ...], *, threads: int, runs: int = 3,
-            rows: int = 10) -> list[tuple[str, float, int]]:
-    """The ``rows`` ops with the most self CPU time (ms per call, calls per call) under ``torch.profiler``.
-
-    Each call runs inside a ``record_function`` scope whose *self* time is everything between the ops: Python,
-    module dispatch, allocation. It is listed as ``(between ops)``.
-    """
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    with num_threads(threads), torch.inference_mode():
-        candidate.run(*inputs)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(runs):
-                with record_function(BETWEEN_OPS):
-                    candidate.run(*inputs)
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:rows]
-    return [(e.key, e.self_cpu_time_total / 1e3 / runs, e.count // runs) for e in events]
 
 
 def environment_lines() -> list[str]:
@@ -234,6 +238,8 @@ class Suite:
     qdq: dict[tuple[str, str], QdqCount] = field(default_factory=dict)
     sqnr: dict[tuple[str, str], tuple[int, float]] = field(default_factory=dict)  # at the largest batch timed
     missing: dict[tuple[str, str], str] = field(default_factory=dict)  # could not be built: 'n/a' cells
+    same: dict[tuple[str, str], str] = field(default_factory=dict)  # (model, key) -> the key it executes as
+    peak: list[str] = field(default_factory=list)  # fraction of the CPU's INT8 peak, one line per row measured
     slow: dict[tuple[str, int, int, str], float | None] = field(default_factory=dict)  # ms of one call, or not run
     profiles: list[tuple[str, int, int, str, list[tuple[str, float, int]]]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -269,8 +275,17 @@ def label(key: str) -> str:
     return PEERS[key].label
 
 
+def _fmt(ms: float) -> str:
+    return f"{ms:.{3 if ms < 1 else 2 if ms < 100 else 0}f}"
+
+
 def _ms(stats: LatencyStats) -> str:
-    return f"{stats.median:.{3 if stats.median < 1 else 2 if stats.median < 100 else 0}f}"
+    return _fmt(stats.median)
+
+
+def _ms_range(stats: LatencyStats) -> str:
+    """The median with the fastest and slowest timed call: ``4.32 [4.20-5.10]``."""
+    return f"{_ms(stats)} [{_fmt(stats.min)}-{_fmt(stats.max)}]"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -280,7 +295,9 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _cell(suite: Suite, where: Where, key: str, stats: dict[str, LatencyStats]) -> str:
     if key in stats:
-        return _ms(stats[key])
+        return _ms_range(stats[key])
+    if (where[0], key) in suite.same:
+        return f"= {label(suite.same[(where[0], key)])}"
     if (*where, key) in suite.slow:
         ms = suite.slow[(*where, key)]
         return f"~{ms:.0f}" if ms else "skipped"
@@ -290,6 +307,7 @@ def _cell(suite: Suite, where: Where, key: str, stats: dict[str, LatencyStats]) 
 def _keys(suite: Suite, prefix: bool) -> list[str]:
     seen = dict.fromkeys(k for _, stats in suite.rows for k in stats)
     seen.update(dict.fromkeys(k for (_, k) in suite.missing))
+    seen.update(dict.fromkeys(k for (_, k) in suite.same))
     seen.update(dict.fromkeys(k[3] for k in suite.slow))
     return [k for k in seen if k != FP32 and k.startswith("fxquant:") == prefix]
 
@@ -305,7 +323,7 @@ def latency_table(suite: Suite, models: Sequence[str]) -> list[str]:
     for where, stats in (r for r in suite.rows if r[0][0] in models):
         best = min((k for k in fxq if k in stats), key=lambda k: stats[k].median, default=None)
         best_peer = min((k for k in peers if k in stats), key=lambda k: stats[k].median, default=None)
-        rows.append([*map(str, where), _ms(stats[FP32]), *(_cell(suite, where, k, stats) for k in fxq),
+        rows.append([*map(str, where), _ms_range(stats[FP32]), *(_cell(suite, where, k, stats) for k in fxq),
                      *(_cell(suite, where, k, stats) + _ratio(stats, best, k) for k in peers),
                      f"{label(best)} {_ms(stats[best])}" if best else "-",
                      f"{label(best_peer)} {_ms(stats[best_peer])}" if best_peer else "-",
@@ -324,7 +342,8 @@ def zoo_tables(suite: Suite, engines: Sequence[str]) -> tuple[list[str], list[st
             fxq, peer = f"fxquant:{engine}", f"torch.ao:{engine}"
             if fxq in stats and peer in stats:
                 ratio = stats[fxq].median / stats[peer].median
-                cells.append(f"{ratio:.2f} ({_ms(stats[fxq])} / {_ms(stats[peer])})" + (" MISS" if ratio > 1 else ""))
+                cells.append(f"{ratio:.2f} ({_ms_range(stats[fxq])} / {_ms_range(stats[peer])})"
+                             + (" MISS" if ratio > 1 else ""))
                 if ratio > 1:
                     misses.append(f"latency: {where[0]} batch {where[1]} threads {where[2]} {engine}: {ratio:.2f}")
             else:
@@ -343,7 +362,8 @@ def zoo_tables(suite: Suite, engines: Sequence[str]) -> tuple[list[str], list[st
             graph.append([model, engine, f"{ours.quantize}+{ours.dequantize}",
                           f"{theirs.quantize}+{theirs.dequantize}" if theirs else "n/a",
                           *(_sqnr(suite, model, k) for k in (f"fxquant:{engine}", f"torch.ao:{engine}"))])
-    return (_table(["model", "batch", "threads", *(f"{e}: fxquant/torch.ao (ms / ms)" for e in engines)], rows),
+    header = [f"{e}: fxquant/torch.ao (ms [min-max] / ms [min-max])" for e in engines]
+    return (_table(["model", "batch", "threads", *header], rows),
             _table(["model", "engine", "fxquant Q+DQ nodes", "torch.ao Q+DQ nodes", "fxquant SQNR dB",
                     "torch.ao SQNR dB"], graph), misses)
 
@@ -364,6 +384,7 @@ def sqnr_table(suite: Suite) -> list[str]:
 def profile_lines(suite: Suite) -> list[str]:
     lines = []
     for model, batch, threads, who, ops in suite.profiles:
-        lines += ["", f"{model} batch {batch} threads {threads}, {who}: self CPU ms per call", "",
-                  *_table(["op", "self ms", "calls"], [[op, f"{ms:.3f}", str(n)] for op, ms, n in ops])]
+        how = "node wall ms per call (fx.Interpreter walk)" if who.startswith("fxquant") else "self CPU ms per call"
+        lines += ["", f"{model} batch {batch} threads {threads}, {who}: {how}", "",
+                  *_table(["op", "ms", "calls"], [[op, f"{ms:.3f}", str(n)] for op, ms, n in ops])]
     return lines

@@ -4,7 +4,8 @@
 needs it) with a dynamic batch axis -> ``onnxruntime.quantization.quantize_static`` fed the shared calibration batches
 -> one ``InferenceSession`` per thread count (``intra_op_num_threads`` is fixed when a session is created), picked
 by ``torch.get_num_threads()`` at call time so the benchmark's thread setting applies to it too. ORT's recommended
-``quant_pre_process`` step is skipped: its symbolic shape inference fails on the BERT-style encoder's reshapes.
+``quant_pre_process`` (symbolic shape inference, graph optimisation, ONNX shape inference) runs on the float model
+first, without the symbolic step where that fails, and not at all where both fail; the candidate's note says which.
 The TorchScript exporter records the branch that the example input takes through data-dependent control flow.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import tempfile
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,6 +45,34 @@ def _quantize(workload: Workload, names: list[str], float_path: Path, int8_path:
 
     quantize_static(str(float_path), str(int8_path), Reader(), quant_format=QuantFormat.QDQ,
                     activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, per_channel=True)
+
+
+def _pre_process(float_path: Path, out_path: Path) -> tuple[Path, str]:
+    """``quant_pre_process`` of the float model: the model to quantize, and a note when a step failed.
+
+    Symbolic shape inference rejects some graphs (the BERT-style encoder's reshapes); ORT's documented remedy is
+    ``skip_symbolic_shape=True``, which keeps the graph optimisation and ONNX's own shape inference.
+    """
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    failures = []
+    for skip_symbolic in (False, True):
+        try:
+            quant_pre_process(str(float_path), str(out_path), skip_symbolic_shape=skip_symbolic)
+        except Exception as exc:
+            failures.append(f"{'without' if skip_symbolic else 'with'} symbolic shape inference: {_where(exc)}")
+            continue
+        return out_path, f"quant_pre_process failed {failures[0]}; ran with skip_symbolic_shape=True" if failures \
+            else ""
+    return float_path, f"quant_pre_process failed ({'; '.join(failures)}); quantized without it"
+
+
+def _where(exc: Exception) -> str:
+    """``AssertionError at symbolic_shape_infer.py:1690 (_infer_Reshape): assert is_literal(shape_rank)``."""
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    message = (str(exc).strip().splitlines() or [""])[0][:200]
+    return (f"{type(exc).__name__}{': ' + message if message else ''} at {Path(frame.filename).name}:{frame.lineno} "
+            f"({frame.name}): {frame.line}")
 
 
 class _Sessions:
@@ -79,5 +109,6 @@ class OnnxRuntimeStatic(Peer):
         with tempfile.TemporaryDirectory() as tmp:
             float_path, int8_path = Path(tmp, "float.onnx"), Path(tmp, "int8.onnx")
             names = _export_onnx(workload, float_path)
-            _quantize(workload, names, float_path, int8_path)
-            return Candidate(self.label, _Sessions(int8_path.read_bytes(), names), lazy=True)
+            source, note = _pre_process(float_path, Path(tmp, "float_pre.onnx"))
+            _quantize(workload, names, source, int8_path)
+            return Candidate(self.label, _Sessions(int8_path.read_bytes(), names), lazy=True, note=note)

@@ -4,11 +4,10 @@
 ``prepare_pt2e(X86InductorQuantizer with its default config)`` -> calibration -> ``convert_pt2e`` ->
 ``torch.compile`` with Inductor's ``freezing`` (needed for its oneDNN weight prepacking and int8 fusions).
 
-Inductor specialises on input shapes (``dynamic=False``), so the first call at each shape — the benchmark's untimed
-warm-up — compiles. By default it also bakes the thread count of compile time into its C++ kernels;
-``cpp.dynamic_threads`` makes them read it at run time instead, so one compile serves 1 and 2 threads (compiling
-ResNet-18 takes ~45 s here; the oneDNN convolutions and linears, where nearly all the time goes, read the thread
-count at run time either way).
+Inductor specialises on input shapes (``dynamic=False``) and bakes the thread count of compile time into its C++
+kernels, so the model is compiled once per thread count (a separate copy under each ``torch.set_num_threads``) and
+per input shape, on the first call there — the benchmark's untimed warm-up — as a deployment compiled for its
+thread count would be. ``cpp.dynamic_threads`` (one compile reading the count at run time) is off.
 
 Non-strict export (the default) records two calls of one shared module (``self.relu`` used twice in a ResNet block)
 as one source partition, on which ``X86InductorQuantizer`` raises "Input partition has more than one output node";
@@ -56,21 +55,25 @@ def quantize_pt2e(workload: Workload) -> tuple[torch.fx.GraphModule, str]:
 
 
 class _Compiled:
-    """Runs the converted model through ``torch.compile``; Inductor's options apply on a new shape's compile."""
+    """Runs the converted model compiled for the current thread count; Inductor's options apply on each compile."""
 
     def __init__(self, converted: torch.fx.GraphModule) -> None:
-        self.compiled = torch.compile(converted, dynamic=False)
-        self.seen: set[tuple[tuple[int, ...], ...]] = set()
+        self.converted = converted
+        self.compiled: dict[int, Any] = {}  # per thread count, each on its own copy so Dynamo's caches are apart
+        self.seen: set[tuple[int, tuple[tuple[int, ...], ...]]] = set()
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        shapes = tuple(tuple(x.shape) for x in inputs)
-        if shapes in self.seen:
-            return self.compiled(*inputs)
+        threads = torch.get_num_threads()
+        key = (threads, tuple(tuple(x.shape) for x in inputs))
+        if threads not in self.compiled:
+            self.compiled[threads] = torch.compile(copy.deepcopy(self.converted), dynamic=False)
+        if key in self.seen:
+            return self.compiled[threads](*inputs)
         import torch._inductor.config as inductor_config
 
-        with inductor_config.patch({"freezing": True, "cpp.dynamic_threads": True}):
-            out = self.compiled(*inputs)
-        self.seen.add(shapes)
+        with inductor_config.patch({"freezing": True, "cpp.dynamic_threads": False}):
+            out = self.compiled[threads](*inputs)
+        self.seen.add(key)
         return out
 
 
