@@ -137,9 +137,11 @@ def build_candidates(name: str, plan: Plan, args: argparse.Namespace, suite: Sui
             source = fxquant_calibrated(workload, "auto") if backend == "auto" else prepared
             assert source is not None  # a fixed backend exists whenever this one is not auto
             timing = example_inputs(name, args.auto_batch) if backend == "auto" and args.auto_batch else None
-            candidates[f"fxquant:{backend}"] = fxquant_candidate(source, backend, timing)
+            with num_threads(plan.threads[0]):  # auto measures at convert time: at the plan's first thread count
+                candidates[f"fxquant:{backend}"] = fxquant_candidate(source, backend, timing)
             if backend == "auto":  # its choice is measured at convert time, so it can differ between runs
-                suite.note(f"{name}: fxquant[auto] chose {auto_choices(candidates['fxquant:auto'])}")
+                suite.note(f"{name}: fxquant[auto] chose, at {plan.threads[0]} thread(s), "
+                           f"{auto_choices(candidates['fxquant:auto'])}")
         except FxQuantError as exc:
             suite.unavailable(name, f"fxquant:{backend}", f"fxquant[{backend}] does not convert: {exc}")
     drop_duplicate_auto(name, candidates, suite)
