@@ -151,6 +151,17 @@ def assert_sqnr(reference: torch.Tensor, actual: torch.Tensor, floor_db: float, 
     return measured
 
 
+SEVEN_BIT_DB = 6.0  # one bit fewer doubles the quantization step: 20 * log10(2) = 6.02 dB less SQNR
+
+
+def seven_bit_margin_db(backend: str) -> float:
+    """How far below its 8-bit SQNR floor a model on ``backend`` may land on this CPU: :data:`SEVEN_BIT_DB` where
+    the backend quantizes activations to 7 bits (fbgemm and oneDNN without VNNI), else 0."""
+    from fxquant.kernels.registry import get_backend
+
+    return SEVEN_BIT_DB if get_backend(backend).activation_qrange(feeds_grouped_conv=False)[1] < 255 else 0.0
+
+
 def calibrated(model: nn.Module, shape: tuple[int, ...], config: object = None, batches: int = 4) -> fx.GraphModule:
     """A prepared and calibrated copy of ``model`` on ``batches`` random batches of ``shape``."""
     from fxquant.api import prepare
