@@ -6,14 +6,19 @@ backend receives exactly the same integers whatever its activation representatio
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from fxquant import native
 from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
 from fxquant.kernels.registry import available_backends, get_backend
@@ -58,6 +63,37 @@ class Layer:
     @property
     def w(self) -> torch.Tensor:
         return dequantize(self.q_w, self.w_qp)
+
+
+def require_c_loops() -> None:
+    """Skip where ``FXQUANT_NATIVE=0`` turns the C loops off on purpose; fail where they were not built."""
+    if os.environ.get(native.DISABLE_ENV) == "0":
+        pytest.skip(f"{native.DISABLE_ENV}=0 turns the C loops off")
+    assert native.loops is not None, "fxquant._native was not built: reinstall with a C compiler"
+
+
+@contextmanager
+def loop_threads(family: str) -> Iterator[None]:
+    """torch's thread count capped at ``family``'s limit (``native.THREAD_LIMITS``): where its C loops may run."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(min(previous, native.THREAD_LIMITS[family]))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def activation_range(backend: Backend | str, *, grouped: bool = False) -> tuple[int, int]:
+    """The activation range ``backend`` declares on this CPU, as convert uses it: 7 bits where its kernels sum u8*s8
+    pairs in 16 bits (fbgemm's grouped convs; fbgemm and oneDNN without VNNI), else 8."""
+    kernel = get_backend(backend) if isinstance(backend, str) else backend
+    return kernel.activation_qrange(feeds_grouped_conv=grouped)
+
+
+def zero_point_in(qrange: tuple[int, int], eight_bit: int) -> int:
+    """The zero point at the place of ``eight_bit`` (one of 0..255) within ``qrange``: itself on an 8-bit range."""
+    qmin, qmax = qrange
+    return qmin + round(eight_bit * (qmax - qmin) / 255)
 
 
 def activation(shape: tuple[int, ...], qrange: tuple[int, int], gen: torch.Generator) -> tuple[torch.Tensor, QParams]:

@@ -1,6 +1,7 @@
 """How the oneDNN backend calls its ops: each layer's call is bound once per input shape, thread count and qparams
 (a bound call must be the call it replaces, for every shape, qparams and output kind a weight meets, in any order),
-and the input zero point of an unpadded conv or a Linear is folded into its bias."""
+and the input zero point of an unpadded conv or a Linear is folded into its bias. Inputs use the range the backend
+declares on this CPU (7 bits without VNNI, where oneDNN's 16-bit pair sums saturate 8-bit inputs)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_contract_cases import ConvCase, conv_layer, float_conv, make_layer, output_qparams
+from kernel_contract_cases import (
+    ConvCase,
+    activation_range,
+    conv_layer,
+    float_conv,
+    make_layer,
+    output_qparams,
+    zero_point_in,
+)
 
 from fxquant.kernels.base import ConvAddQParams, ConvSpec, PackedWeight
 from fxquant.kernels.registry import available_backends, get_backend
@@ -23,6 +32,12 @@ _SPEC = ConvSpec(2, (1, 2), (0, 0), (1, 1), 1)
 _SIZES = [(7, 9), (7, 3), (9, 6)]
 
 
+def _input_qp(scale: torch.Tensor, eight_bit_zero_point: int) -> QParams:
+    """Input qparams on oneDNN's declared range, the zero point where ``eight_bit_zero_point`` is on 0..255."""
+    qrange = activation_range("onednn")
+    return QParams(scale, torch.tensor(zero_point_in(qrange, eight_bit_zero_point)), *qrange)
+
+
 def _fresh(spec: ConvSpec, weights: tuple[torch.Tensor, QParams, torch.Tensor | None],
            in_qp: QParams) -> PackedWeight:
     return get_backend("onednn").prepack_conv(*weights, spec, in_qp=in_qp)
@@ -32,12 +47,12 @@ def test_a_conv_weight_bound_for_many_shapes_gives_each_shape_its_own_result() -
     """One packed weight called with inputs of several shapes (twice each, interleaved, both output qparams) equals a
     freshly packed weight called once per input: no call is reused for another shape or output."""
     onednn = get_backend("onednn")
-    layer = conv_layer(ConvCase(_SPEC, 1, 5, 7, (2, 2), (7, 9), True, True, False), (0, 255), 0)
+    layer = conv_layer(ConvCase(_SPEC, 1, 5, 7, (2, 2), (7, 9), True, True, False), activation_range(onednn), 0)
     weights = (layer.q_w, layer.w_qp, layer.bias)
     shared = _fresh(_SPEC, weights, layer.in_qp)
     outputs = [output_qparams(float_conv(layer, _SPEC)), QParams(torch.tensor(0.5), torch.tensor(7), 0, 255)]
     gen = torch.Generator().manual_seed(1)
-    inputs = [torch.randint(0, 256, (batch, 5, *size), generator=gen, dtype=torch.uint8)
+    inputs = [torch.randint(0, layer.in_qp.qmax + 1, (batch, 5, *size), generator=gen, dtype=torch.uint8)
               for size in _SIZES for batch in (1, 3)]
     for _ in range(2):
         for a in inputs:
@@ -56,7 +71,7 @@ def test_bound_conv1d_and_narrow_range_match_the_reference() -> None:
     bound calls, against the reference backend's integer arithmetic."""
     onednn, ref = get_backend("onednn"), get_backend("reference")
     spec = ConvSpec(1, (2,), (1,), (1,), 1)
-    layer = conv_layer(ConvCase(spec, 2, 4, 6, (3,), (17,), False, True, True), (0, 255), 3)
+    layer = conv_layer(ConvCase(spec, 2, 4, 6, (3,), (17,), False, True, True), activation_range(onednn), 3)
     out_qp = output_qparams(float_conv(layer, spec))
     narrow = QParams(out_qp.scale * 2, torch.tensor(60), 0, 127)
     for qp in (out_qp, narrow):
@@ -72,7 +87,7 @@ def test_bound_conv1d_and_narrow_range_match_the_reference() -> None:
 def test_bound_linear_keeps_outputs_apart() -> None:
     """A linear weight called for a uint8 result, a float result and under two output qparams, interleaved."""
     onednn = get_backend("onednn")
-    layer = make_layer((3, 16), (5, 16), qrange=(0, 255), per_channel=True, bias=True, seed=2)
+    layer = make_layer((3, 16), (5, 16), qrange=activation_range(onednn), per_channel=True, bias=True, seed=2)
     packed = onednn.prepack_linear(layer.q_w, layer.w_qp, layer.bias)
     first = QParams(torch.tensor(0.05), torch.tensor(128), 0, 255)
     second = QParams(torch.tensor(0.2), torch.tensor(9), 0, 255)
@@ -92,7 +107,7 @@ def test_bound_conv_add_matches_conv_then_add() -> None:
     one step: the fused kernel rounds once), for a shape it fuses and one it runs unfused (one output column)."""
     onednn = get_backend("onednn")
     spec = ConvSpec(2, (1, 2), (0, 0), (1, 1), 1)
-    layer = conv_layer(ConvCase(spec, 1, 4, 4, (1, 3), (5, 9), False, True, False), (0, 255), 4)
+    layer = conv_layer(ConvCase(spec, 1, 4, 4, (1, 3), (5, 9), False, True, False), activation_range(onednn), 4)
     conv_qp = output_qparams(float_conv(layer, spec))
     accum_qp = QParams(torch.tensor(0.04), torch.tensor(100), 0, 255)
     sum_qp = QParams(torch.tensor(0.08), torch.tensor(90), 0, 255)
@@ -114,7 +129,7 @@ def test_a_deep_copy_binds_its_own_calls() -> None:
     import copy
 
     onednn = get_backend("onednn")
-    layer = make_layer((2, 16), (4, 16), qrange=(0, 255), per_channel=True, bias=True, seed=5)
+    layer = make_layer((2, 16), (4, 16), qrange=activation_range(onednn), per_channel=True, bias=True, seed=5)
     out_qp = QParams(torch.tensor(0.05), torch.tensor(128), 0, 255)
     packed = onednn.prepack_linear(layer.q_w, layer.w_qp, layer.bias)
     want = onednn.linear(layer.q_x, packed, layer.in_qp, out_qp, relu=False)
@@ -133,8 +148,8 @@ def test_an_unpadded_conv_folds_the_input_zero_point_into_the_bias(bias: bool, k
     zero point (3.5x faster on a 320 -> 1280 1x1 conv); within one step of the reference's integer arithmetic."""
     onednn, ref = get_backend("onednn"), get_backend("reference")
     spec = ConvSpec(2, (2, 1), padding, (1, 1), 1)
-    layer = conv_layer(ConvCase(spec, 2, 6, 10, kernel, (9, 7), True, bias, False), (0, 255), 6)
-    in_qp = QParams(layer.in_qp.scale, torch.tensor(201), 0, 255)  # far from 0: a large correction
+    layer = conv_layer(ConvCase(spec, 2, 6, 10, kernel, (9, 7), True, bias, False), activation_range(onednn), 6)
+    in_qp = _input_qp(layer.in_qp.scale, 201)  # far from 0: a large correction
     out_qp = output_qparams(float_conv(dataclasses.replace(layer, in_qp=in_qp), spec))
     packed = onednn.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=in_qp)
     assert (packed.payload.folded is not None) is folds
@@ -150,7 +165,7 @@ def test_a_conv_called_under_two_thread_counts_gets_a_weight_packed_for_each(one
     two threads and run under one is reordered on every call (MobileNetV2 at batch 1: 43 against 9 ms). Each thread
     count gets its own packing or primitive and bound call, and the results are the same."""
     onednn = get_backend("onednn")
-    layer = conv_layer(ConvCase(_SPEC, 1, 5, 7, (2, 2), (7, 9), True, True, False), (0, 255), 7)
+    layer = conv_layer(ConvCase(_SPEC, 1, 5, 7, (2, 2), (7, 9), True, True, False), activation_range(onednn), 7)
     out_qp = output_qparams(float_conv(layer, _SPEC))
     packed = onednn.prepack_conv(layer.q_w, layer.w_qp, layer.bias, _SPEC, in_qp=layer.in_qp)
     before = torch.get_num_threads()
@@ -172,9 +187,8 @@ def test_a_linear_folds_the_input_zero_point_it_is_packed_for() -> None:
     """A Linear packed for its input qparams runs without the zero point (BERT's FFN: 5.1 against 6.4 ms); called with
     other qparams it uses the real zero point and bias. Both within one step of the reference."""
     onednn, ref = get_backend("onednn"), get_backend("reference")
-    layer = make_layer((6, 40), (9, 40), qrange=(0, 255), per_channel=True, bias=True, seed=8)
-    in_qp = QParams(layer.in_qp.scale, torch.tensor(177), 0, 255)
-    other = QParams(layer.in_qp.scale * 1.5, torch.tensor(30), 0, 255)
+    layer = make_layer((6, 40), (9, 40), qrange=activation_range(onednn), per_channel=True, bias=True, seed=8)
+    in_qp, other = _input_qp(layer.in_qp.scale, 177), _input_qp(layer.in_qp.scale * 1.5, 30)
     out_qp = QParams(torch.tensor(0.3), torch.tensor(120), 0, 255)
     packed = onednn.prepack_linear(layer.q_w, layer.w_qp, layer.bias, in_qp=in_qp)
     assert packed.payload.folded is not None
@@ -192,8 +206,8 @@ def test_a_conv_called_with_other_input_qparams_than_it_was_packed_for() -> None
     """The folded bias belongs to one input zero point: other input qparams get the real zero point and bias."""
     onednn, ref = get_backend("onednn"), get_backend("reference")
     spec = ConvSpec(2, (1, 1), (0, 0), (1, 1), 1)
-    layer = conv_layer(ConvCase(spec, 1, 4, 5, (1, 1), (6, 6), True, True, False), (0, 255), 9)
-    in_qp, other = (QParams(layer.in_qp.scale, torch.tensor(zp), 0, 255) for zp in (150, 20))
+    layer = conv_layer(ConvCase(spec, 1, 4, 5, (1, 1), (6, 6), True, True, False), activation_range(onednn), 9)
+    in_qp, other = (_input_qp(layer.in_qp.scale, zp) for zp in (150, 20))
     out_qp = output_qparams(float_conv(dataclasses.replace(layer, in_qp=in_qp), spec))
     packed = onednn.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=in_qp)
     ref_packed = ref.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=in_qp)

@@ -261,9 +261,20 @@ def test_without_amx_linears_take_the_row_loop_below_the_measured_limits() -> No
     assert big.takes(4) and not big.takes(8) and qbig.takes(15) and not qbig.takes(16)
 
 
-def _small_net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.SiLU(),
-                         nn.Flatten(), nn.Linear(16 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 10)).eval()
+class _SmallNet(nn.Module):
+    """Convs, a SiLU and Linears (the AMX and VNNI loops' layers), and a channel concat of two INT8 branches: its row
+    copies (``native.concat``) run on every backend and ISA level, so at one thread some loop always runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.left, self.right = nn.Conv2d(16, 8, 3, padding=1), nn.Conv2d(16, 8, 1)
+        self.fc1, self.fc2 = nn.Linear(16 * 8 * 8, 32), nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.stem(x))
+        y = nn.functional.silu(torch.cat([torch.relu(self.left(y)), torch.relu(self.right(y))], 1))
+        return self.fc2(torch.relu(self.fc1(torch.flatten(y, 1))))
 
 
 class _CountingLoops:
@@ -288,7 +299,7 @@ def test_at_eight_threads_no_one_thread_loop_runs_and_outputs_stay(backend: str,
     """The thread rule (``native.THREAD_LIMITS``, docs/amx.md): above a loop family's measured limit the engine's
     kernel, split over torch's threads, runs instead. The same model at one thread does call loops (the counter
     works) and gives the same bytes, since each loop computes what the kernel it replaces computes."""
-    prepared = fxquant.prepare(_small_net(), (torch.randn(1, 3, 8, 8),))
+    prepared = fxquant.prepare(_SmallNet().eval(), (torch.randn(1, 3, 8, 8),))
     fxquant.calibrate(prepared, [torch.randn(4, 3, 8, 8) for _ in range(2)], progress=False)
     qmodel = fxquant.convert(prepared, backend=backend)
     x = torch.randn(2, 3, 8, 8)

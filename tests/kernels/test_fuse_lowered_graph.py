@@ -1,5 +1,8 @@
 """The fusions convert applies on the lowered graph (``fxquant.passes.fuse_lowered``): where they happen, where the
-fused kernel must copy its in-place input, and that fused and unfused backends still agree at the output."""
+fused kernel must copy its in-place input, and that fused and unfused backends still agree at the output.
+
+A reference conversion compared with onednn's takes onednn's activation ranges (7 bits without VNNI), so both models
+quantize every activation alike and only the kernels differ."""
 
 from __future__ import annotations
 
@@ -44,6 +47,11 @@ def _converted(backend: str, model: nn.Module, shape: tuple[int, ...]) -> tuple[
     return prepared, fxquant.convert(prepared, backend=backend)
 
 
+def _reference_on_the_ranges_of(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make the reference backend declare ``backend``'s activation ranges for the rest of the test."""
+    monkeypatch.setattr(get_backend("reference"), "activation_qrange", get_backend(backend).activation_qrange)
+
+
 def _called(gm: fx.GraphModule, kind: type[nn.Module]) -> list[nn.Module]:
     return [gm.get_submodule(str(n.target)) for n in gm.graph.nodes
             if n.op == "call_module" and isinstance(gm.get_submodule(str(n.target)), kind)]
@@ -64,11 +72,13 @@ def test_every_conv_feeding_an_add_alone_is_fused_and_copies_its_accum_only_when
     assert error <= 1.0 + 1e-4, f"{backend}: {error:.2f} output steps from the simulation"
 
 
-def test_backends_with_the_fused_kernels_agree_within_one_step() -> None:
+def test_backends_with_the_fused_kernels_agree_within_one_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """One calibrated model converted per backend: the fusing ones within one output step of the reference
     backend; fbgemm/qnnpack keep their separate add (no fused module) and are checked against their simulation in
     tests/robustness (with one rounding more per residual join they can be further from the reference)."""
     torch.manual_seed(1)
+    if "onednn" in available_backends():
+        _reference_on_the_ranges_of("onednn", monkeypatch)
     prepared, reference = _converted("reference", _Residual(), (2, 3, 9, 9))
     x = torch.randn(3, 3, 9, 9)
     step = float(reference.get_submodule("fc").out_qp.scale)
@@ -127,8 +137,8 @@ UNARY_MODELS = [
 
 
 @pytest.mark.parametrize(("unary", "function"), UNARY_MODELS)
-def test_a_linear_then_silu_hardswish_or_gelu_becomes_one_call_where_the_backend_fuses_it(unary: str,
-                                                                                         function: Any) -> None:
+def test_a_linear_then_silu_hardswish_or_gelu_becomes_one_call_where_the_backend_fuses_it(
+        unary: str, function: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """onednn: ``up`` applies the function as its post-op and writes the next Linear's int8 input; no float
     function, dequantize or quantize stays between them. The output stays within one step of the simulation, and
     of the unfused reference backend converted from the same calibration."""
@@ -143,6 +153,7 @@ def test_a_linear_then_silu_hardswish_or_gelu_becomes_one_call_where_the_backend
     x = torch.randn(3, 5, 16)
     step = float(qmodel.get_submodule("down").out_qp.scale)
     assert float((qmodel(x) - simulate(prepared, "onednn")(x)).abs().max()) / step <= 1.0 + 1e-4
+    _reference_on_the_ranges_of("onednn", monkeypatch)
     reference = fxquant.convert(prepared, backend="reference")
     assert reference.get_submodule("up").unary is None  # nothing to gain from fusing there
     assert float((qmodel(x) - reference(x)).abs().max()) / step <= 1.0 + 1e-4

@@ -24,9 +24,11 @@ from kernel_contract_cases import (
     conv_cases,
     conv_layer,
     float_conv,
+    loop_threads,
     make_layer,
     output_qparams,
     reference_backend,
+    require_c_loops,
     steps,
 )
 
@@ -286,14 +288,14 @@ def test_chunked_quantize_equals_the_formula(name: str, shape: tuple[int, ...], 
                                                                ((1, 64, 1, 1), True, torch.uint8)])
 def test_the_c_quantize_takes_float32_inputs(shape: tuple[int, ...], channels_last: bool, dtype: torch.dtype) -> None:
     """The C loop runs (it is not silently skipped) and equals the formula, NCHW -> NHWC included."""
-    from fxquant import native
     from fxquant.kernels.plain_int8 import _native_quantize
 
-    assert native.loops is not None, "fxquant._native was not built: reinstall with a C compiler"
+    require_c_loops()
     x = torch.randn(shape) * 3
     qp = QParams(torch.tensor(0.02), torch.tensor(0 if dtype == torch.int8 else 100),
                  *((-128, 127) if dtype == torch.int8 else (0, 255)))
-    got = _native_quantize(x, qp, channels_last)
+    with loop_threads("elementwise"):
+        got = _native_quantize(x, qp, channels_last)
     assert got is not None and got.dtype == dtype and torch.equal(got, quantize(x, qp))
     if channels_last:
         assert got.is_contiguous(memory_format=torch.channels_last)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from kernel_contract_cases import CONTRACT
+from kernel_contract_cases import CONTRACT, loop_threads, require_c_loops
 
 from fxquant.kernels.plain_int8 import _native_global_mean
 from fxquant.kernels.registry import available_backends, get_backend
@@ -67,12 +67,11 @@ def test_global_average_pool_is_the_rounded_mean(name: str, batch: int, channels
                                                ((1, 8, 33), "channels_last"), ((3, 4, 2, 3, 5), "contiguous")])
 def test_the_c_mean_runs(shape: tuple[int, ...], layout: str) -> None:
     """The C loop takes the layouts models produce (it is not silently skipped) and is exact there."""
-    from fxquant import native
-
-    assert native.loops is not None, "fxquant._native was not built: reinstall with a C compiler"
+    require_c_loops()
     q = torch.randint(0, 256, shape, dtype=torch.int64).to(torch.uint8)
     qp = QParams(torch.tensor(0.02), torch.tensor(37), 0, 255)
-    got = _native_global_mean(_laid_out(q, layout), qp, 1)
+    with loop_threads("elementwise"):
+        got = _native_global_mean(_laid_out(q, layout), qp, 1)
     assert got is not None and torch.equal(got, _by_hand(q, qp))
 
 
@@ -124,14 +123,14 @@ def test_the_c_mul_gives_the_torch_paths_bits(name: str, batch: int, channels: i
                                                        ((2, 5, 4, 6), "contiguous", False),
                                                        ((1, 8, 33), "contiguous", True)])
 def test_the_c_mul_runs(shape: tuple[int, ...], layout: str, gate: bool) -> None:
-    from fxquant import native
     from fxquant.kernels.plain_int8 import _native_mul
 
-    assert native.loops is not None, "fxquant._native was not built: reinstall with a C compiler"
+    require_c_loops()
     a = _laid_out(torch.randint(0, 256, shape, dtype=torch.int64).to(torch.uint8), layout)
     b = torch.randint(0, 256, shape[:2] + (1,) * (len(shape) - 2) if gate else shape, dtype=torch.int64).to(torch.uint8)
     qp = QParams(torch.tensor(0.02), torch.tensor(37), 0, 255)
-    assert _native_mul(a, b, (qp, qp, qp), torch.float32) is not None
+    with loop_threads("elementwise"):
+        assert _native_mul(a, b, (qp, qp, qp), torch.float32) is not None
 
 
 def test_more_positions_than_a_32_bit_sum_holds_run_in_torch() -> None:

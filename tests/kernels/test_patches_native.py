@@ -5,7 +5,8 @@ computes it and writes each input position's patch in place: compared with fbgem
 (what a TorchScript export records, so export and eager must agree exactly) on every path of the loop - AMX tiles
 (32-row blocks, whole 16-column blocks), the VNNI rows around them, strided inputs, output channels that are not a
 multiple of 16, inputs whose channel count is not a multiple of 4 - at full-range inputs and weights, where 16-bit
-pair sums would saturate. ``copy_rows`` concatenates one-byte activations; compared with ``torch.cat``.
+pair sums would saturate. Both run at the loop's thread limit (``native.THREAD_LIMITS``): above it fbgemm's Linear
+runs on both sides. ``copy_rows`` concatenates one-byte activations; compared with ``torch.cat``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_contract_cases import assert_export_matches_eager
+from kernel_contract_cases import assert_export_matches_eager, loop_threads
 from torch import nn
 
 from fxquant import native
@@ -60,8 +61,9 @@ def _upsample(cin: int, cout: int, kernel: tuple[int, ...], size: tuple[int, ...
     packed = backend.prepack_conv_transpose(q_w, w_qp, torch.randn(cout, generator=gen) * 3 if bias else None, spec)
     assert (packed.payload.native is not None) == LOOP
     linear = dataclasses.replace(packed, payload=dataclasses.replace(packed.payload, native=None))
-    got = backend.conv_transpose(a, packed, in_qp, out_qp)
-    want = backend.conv_transpose(a, linear, in_qp, out_qp)
+    with loop_threads("upsample"):
+        got = backend.conv_transpose(a, packed, in_qp, out_qp)
+        want = backend.conv_transpose(a, linear, in_qp, out_qp)
     return got, want
 
 

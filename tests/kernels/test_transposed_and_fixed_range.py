@@ -3,7 +3,8 @@ step of the reference backend.
 
 The transposed cases include the geometries where fbgemm's direct kernel is wrong in torch 2.13 (2-d, groups 1,
 channels multiples of 8, kernel height 2, width <= 6, strides 1 or 2, no padding): a backend that hands them to that
-kernel is 100+ steps off here. Inputs come both contiguous and channels-last (what a conv before them returns).
+kernel is 100+ steps off here. Inputs come both contiguous and channels-last (what a conv before them returns), in
+the range the backend under test declares on this CPU (7 bits for fbgemm's grouped convs and without VNNI).
 """
 
 from __future__ import annotations
@@ -11,7 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_contract_cases import activation, backends_under_test, output_qparams, reference_backend, steps
+from kernel_contract_cases import (
+    activation,
+    activation_range,
+    backends_under_test,
+    output_qparams,
+    reference_backend,
+    steps,
+)
 
 from fxquant.kernels.base import Backend, ConvSpec
 from fxquant.kernels.reference import fixed_range_table
@@ -34,11 +42,11 @@ TRANSPOSED = [
 ]
 
 
-def _transposed_case(case: tuple, seed: int) -> tuple[torch.Tensor, QParams, torch.Tensor, QParams,
-                                                       torch.Tensor, ConvSpec]:
+def _transposed_case(case: tuple, seed: int, qrange: tuple[int, int]) -> tuple[torch.Tensor, QParams, torch.Tensor,
+                                                                               QParams, torch.Tensor, ConvSpec]:
     cin, cout, kernel, stride, padding, output_padding, groups, size = case
     gen = torch.Generator().manual_seed(seed)
-    q_x, in_qp = activation((2, cin, *size), (0, 255), gen)
+    q_x, in_qp = activation((2, cin, *size), qrange, gen)
     q_w = torch.randint(INT8_RANGE[0], INT8_RANGE[1] + 1, (cin, cout // groups, *kernel), generator=gen,
                         dtype=torch.int64).to(torch.int8)
     w_qp = QParams(torch.tensor(0.004), torch.tensor(0), *INT8_RANGE)
@@ -46,8 +54,9 @@ def _transposed_case(case: tuple, seed: int) -> tuple[torch.Tensor, QParams, tor
     return q_x, in_qp, q_w, w_qp, torch.randn(cout, generator=gen), spec
 
 
-def _run_transposed(backend: Backend, case: tuple, out_qp: QParams | None, channels_last: bool) -> torch.Tensor:
-    q_x, in_qp, q_w, w_qp, bias, spec = _transposed_case(case, seed=7)
+def _run_transposed(backend: Backend, case: tuple, out_qp: QParams | None, channels_last: bool,
+                    qrange: tuple[int, int]) -> torch.Tensor:
+    q_x, in_qp, q_w, w_qp, bias, spec = _transposed_case(case, 7, qrange)
     x = dequantize(q_x, in_qp)
     if out_qp is None:  # the float result, to size the output qparams
         conv = F.conv_transpose1d if spec.dim == 1 else F.conv_transpose2d
@@ -64,9 +73,10 @@ def _run_transposed(backend: Backend, case: tuple, out_qp: QParams | None, chann
 @pytest.mark.parametrize("case", TRANSPOSED, ids=[str(c[:4]) for c in TRANSPOSED])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_conv_transpose_matches_reference(name: str, case: tuple, channels_last: bool) -> None:
-    out_qp = output_qparams(_run_transposed(reference_backend(), case, None, False))
-    got = _run_transposed(get_backend(name), case, out_qp, channels_last)
-    want = _run_transposed(reference_backend(), case, out_qp, False)
+    qrange = activation_range(name, grouped=case[6] > 1)
+    out_qp = output_qparams(_run_transposed(reference_backend(), case, None, False, qrange))
+    got = _run_transposed(get_backend(name), case, out_qp, channels_last, qrange)
+    want = _run_transposed(reference_backend(), case, out_qp, False, qrange)
     assert got.shape == want.shape
     lsb = steps(got, want, out_qp)
     assert lsb <= 1, f"{name} conv_transpose {case} is {lsb} LSB off the reference"

@@ -1,4 +1,7 @@
-"""Each INT8 module against integer arithmetic written here: within one output quantization step."""
+"""Each INT8 module against integer arithmetic written here: within one output quantization step.
+
+Inputs use the range each backend declares on this CPU, as convert does (7 bits where its kernels sum u8*s8 pairs
+in 16 bits: fbgemm's grouped convs, fbgemm and oneDNN without VNNI)."""
 
 from __future__ import annotations
 
@@ -30,9 +33,10 @@ def _requantize(acc: torch.Tensor, in_qp: QParams, w_qp: QParams, out_qp: QParam
     return out.clamp(low, out_qp.qmax).long()
 
 
-def _operands(out_channels: int, in_shape: tuple[int, ...], weight_shape: tuple[int, ...], per_channel: bool):
+def _operands(out_channels: int, in_shape: tuple[int, ...], weight_shape: tuple[int, ...], per_channel: bool,
+              qrange: tuple[int, int]):
     x = torch.randn(*in_shape) * 2 + 0.5
-    in_qp = affine_qparams(x.min(), x.max())
+    in_qp = affine_qparams(x.min(), x.max(), qrange)
     weight = torch.randn(*weight_shape) * 0.3
     if per_channel:
         lo, hi = torch.aminmax(weight.reshape(out_channels, -1), dim=1)
@@ -51,7 +55,8 @@ def _bias_int(bias: torch.Tensor, in_qp: QParams, w_qp: QParams) -> torch.Tensor
 @pytest.mark.parametrize("per_channel", [True, False])
 @pytest.mark.parametrize("relu", [True, False])
 def test_linear_matches_integer_arithmetic(backend: str, per_channel: bool, relu: bool) -> None:
-    x, in_qp, w_int, w_qp, bias = _operands(12, (5, 20), (12, 20), per_channel)
+    qrange = get_backend(backend).activation_qrange(feeds_grouped_conv=False)
+    x, in_qp, w_int, w_qp, bias = _operands(12, (5, 20), (12, 20), per_channel, qrange)
     x_int = quantize(x, in_qp).long() - int(in_qp.zero_point)
     acc = x_int.double() @ w_int.double().t() + _bias_int(bias, in_qp, w_qp)
     expected_fp = F.linear(dequantize(quantize(x, in_qp), in_qp), dequantize(w_int, w_qp), bias)
@@ -70,10 +75,9 @@ def test_conv_matches_integer_arithmetic(backend: str, dim: int, groups: int, st
                                          dilation: int) -> None:
     module_cls, conv = CONV[dim]
     in_ch, out_ch, k = 6, 6 if groups == 6 else 9, 3
+    qrange = get_backend(backend).activation_qrange(feeds_grouped_conv=groups > 1)  # 7 bits for fbgemm's grouped
     x, in_qp, w_int, w_qp, bias = _operands(out_ch, (2, in_ch) + (7,) * dim, (out_ch, in_ch // groups) + (k,) * dim,
-                                            per_channel=True)
-    if groups > 1:  # what convert does for grouped convs on fbgemm
-        in_qp = affine_qparams(x.min(), x.max(), get_backend(backend).activation_qrange(feeds_grouped_conv=True))
+                                            True, qrange)
     x_int = quantize(x, in_qp).long() - int(in_qp.zero_point)
     # float64 holds these integer sums exactly (|acc| < 2**53), so this is integer arithmetic
     acc = conv(x_int.double(), w_int.double(), None, stride, padding, dilation, groups)
