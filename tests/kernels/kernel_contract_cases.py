@@ -221,7 +221,10 @@ def linear_shapes(draw: st.DrawFn) -> tuple[tuple[int, ...], int, int]:
     return lead, draw(st.sampled_from((1, 2, 7, 8, 33, 64))), draw(st.integers(1, 40))
 
 
-CONTRACT = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized: every run (CI included) checks the same examples, so a failure reproduces wherever it appears;
+# explore further locally with a larger max_examples and derandomize=False
+CONTRACT = settings(max_examples=25, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=[HealthCheck.too_slow])
 
 
 def run_conv_add_linear(backend: Backend) -> torch.Tensor:
