@@ -8,9 +8,11 @@ Memory bound, per observer, whatever the dataset size: ``bins * 8`` bytes (float
 2048 bins) plus two float64 scalars for the grid (``hist_start``, ``hist_width``) and the four scalars every
 observer keeps (``min_val``, ``max_val``, ``num_updates``, ``num_elements``).
 
-Cost per update: one counting pass over the batch (:mod:`fxquant.observers.counting`: ``torch.bincount`` on int16
-bin indices on one or two threads, ``torch.histc`` beyond), on top of the ``aminmax`` every observer does; the grid is
-recomputed only when a batch extends the observed range. When it does, the grid width doubles as often as needed
+Cost per update: one counting pass over the batch (:mod:`fxquant.observers.counting`: a C loop, or ``torch.bincount``
+on int16 bin indices on one or two threads, ``torch.histc`` beyond), on top of the ``aminmax`` every observer does;
+the grid is recomputed only when a batch extends the observed range. Batches larger than twice ``sample_values``
+are counted on a sample (:meth:`HistogramObserverBase._record_sampled`), so counting costs about as much per batch
+whatever the activation size, while the range stays exact. When it does, the grid width doubles as often as needed
 and old bins are merged exactly into the new ones (:mod:`fxquant.observers.hist_math`): no Python loop over bins, no
 sort, no re-read of earlier data.
 
@@ -23,17 +25,20 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
 from fxquant.errors import ConfigError
 from fxquant.observers.base import Observer
-from fxquant.observers.counting import count_into, scan
+from fxquant.observers.counting import count, count_into, dense_flat, scan
 from fxquant.observers.hist_math import Histogram, best_range, grid_for, quantile, rebin
 from fxquant.observers.registry import register_observer
 
 MIN_BINS = 16
+SAMPLE_BLOCK = 2048  # values per sampled run: long enough for the C loop to run at full speed on each
+DEFAULT_SAMPLE_VALUES = 1 << 16
 # Tail masses trimmed from each side by the L2 search: the discrete path torch.ao's greedy search walks along,
 # evaluated all at once. Geometric, because outliers live in tiny tails and the bulk in large ones.
 _TAIL_MASSES = torch.cat([torch.zeros(1, dtype=torch.float64), torch.logspace(-6, -0.6, 15, dtype=torch.float64)])
@@ -43,7 +48,19 @@ _REFINE_POINTS = 8  # per side, between the neighbours of the best coarse candid
 class HistogramObserverBase(Observer):
     """Keeps a ``bins``-bin histogram on a power-of-two grid; subclasses only override ``range()``.
 
-    Options: ``bins`` (default 2048, at least 16): more bins resolve the range more finely, at 8 bytes each.
+    Options:
+
+    * ``bins`` (default 2048, at least 16): more bins resolve the range more finely, at 8 bytes each.
+    * ``sample_values`` (default ``2**16``; ``None`` or 0 counts every value): a batch of more than twice this many
+      values has its histogram counted on about this many of them, every ``k``-th run of 2048 contiguous values
+      (``k`` the smallest prime giving at most ``sample_values`` values, plus one run), each count weighted by
+      ``k``. Counting every value of large activations made calibration cost ~2x a run without observers; the
+      sample bounds the counting per batch (docs/calibration.md, "The default observer"). The running
+      ``min_val``/``max_val`` are always exact (every value), so the histogram's grid and the ``minmax`` range
+      cover every value; only the bin counts, so the clipping search, are estimates. Smaller batches are counted
+      in full, exactly as with ``None``. The sample is a function of the batch alone (no random state): the same
+      data gives the same statistics, and because each batch is sampled on its own, sharded, resumed and merged
+      calibration equal one run over the same batches (counts are whole multiples of ``k``, summed exactly).
     """
 
     # Buffers, declared for type checkers (nn.Module.__getattr__ is typed Tensor | Module).
@@ -51,11 +68,20 @@ class HistogramObserverBase(Observer):
     hist_start: torch.Tensor
     hist_width: torch.Tensor
 
-    def __init__(self, *, bins: int = 2048, **options: Any) -> None:
+    def __init__(self, *, bins: int = 2048, sample_values: int | None = DEFAULT_SAMPLE_VALUES,
+                 **options: Any) -> None:
         super().__init__(**options)
         if isinstance(bins, bool) or not isinstance(bins, int) or bins < MIN_BINS:
             raise ConfigError(f"{type(self).__name__}: bins must be an integer >= {MIN_BINS}, got {bins!r}")
+        if sample_values is not None and (isinstance(sample_values, bool) or not isinstance(sample_values, int)
+                                          or not (sample_values == 0 or sample_values >= SAMPLE_BLOCK)):
+            raise ConfigError(
+                f"{type(self).__name__}: sample_values must be an integer >= {SAMPLE_BLOCK} (values counted per "
+                f"large batch), or None or 0 to count every value; got {sample_values!r}. Pass it as "
+                "observer_options={'sample_values': ...}"
+            )
         self.bins = bins
+        self.sample_values = sample_values or None
         self.register_buffer("histogram", torch.zeros(bins, dtype=torch.float64))
         self.register_buffer("hist_start", torch.tensor(0.0, dtype=torch.float64))
         self.register_buffer("hist_width", torch.tensor(0.0, dtype=torch.float64))  # 0 until the first update
@@ -88,6 +114,9 @@ class HistogramObserverBase(Observer):
         the batch widens the range enough); otherwise the general path runs (``aminmax``, grow, count). float64
         data always takes it: its extremes may round when stored in the float32 ``min_val``/``max_val``.
         """
+        if self.sample_values is not None and x.numel() > 2 * self.sample_values:
+            self._record_sampled(x, self.sample_values)
+            return
         width = float(self.hist_width)
         if width == 0 or x.dtype == torch.float64:
             super()._record(x)
@@ -101,6 +130,26 @@ class HistogramObserverBase(Observer):
             count_into(self.histogram, data, start, width)
         else:
             self.histogram.add_(counts)
+        self._count(lo, hi, x.numel())
+
+    def _record_sampled(self, x: torch.Tensor, budget: int) -> None:
+        """Exact range over all of ``x``; counts of every ``k``-th run of :data:`SAMPLE_BLOCK` values, times ``k``.
+
+        ``k`` is prime so that the sampled runs do not line up with a period of the layout (channels, rows): with a
+        composite stride, a channel-last activation whose channel count shares a factor with ``k`` would see some
+        channels far more often than others. The sampled runs are copied into one contiguous buffer (about
+        ``budget`` values), counted in one call; the values after the last whole run are not sampled.
+        """
+        flat = dense_flat(x)
+        lo, hi = torch.aminmax(flat)
+        self._check_finite(lo.item(), hi.item())
+        runs = flat.numel() // SAMPLE_BLOCK
+        stride = sample_stride(runs, budget)
+        sample = flat[:runs * SAMPLE_BLOCK].view(runs, SAMPLE_BLOCK)[::stride].reshape(-1)
+        if sample.dtype not in (torch.float32, torch.float64):
+            sample = sample.float()
+        start, width = self._grow(*self._covering(float(lo), float(hi)))
+        self.histogram.add_(count(sample, start, width, self.bins), alpha=stride)
         self._count(lo, hi, x.numel())
 
     def _regrid_needed(self, lo: float, hi: float, start: float, width: float) -> bool:
@@ -138,7 +187,15 @@ class HistogramObserverBase(Observer):
         return torch.tensor(lo, dtype=torch.float32), torch.tensor(max(lo, hi), dtype=torch.float32)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, bins={self.bins}"
+        return f"{super().extra_repr()}, bins={self.bins}, sample_values={self.sample_values}"
+
+
+def sample_stride(runs: int, budget: int) -> int:
+    """The smallest prime ``k`` such that every ``k``-th of ``runs`` runs is at most ``budget`` values plus one run."""
+    stride = max(2, math.ceil(runs * SAMPLE_BLOCK / budget))
+    while any(stride % d == 0 for d in range(2, math.isqrt(stride) + 1)):
+        stride += 1
+    return stride
 
 
 @register_observer("histogram")

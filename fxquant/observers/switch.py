@@ -23,8 +23,9 @@ def switch_method(observer: Observer, name: str, **options: Any) -> Observer:
     """A new observer of the class registered as ``name``, carrying over ``observer``'s statistics and ``label``.
 
     Possible switches: any observer -> ``minmax`` (every observer keeps the running min/max), and between
-    histogram-family observers (they all store the same histogram; ``bins`` defaults to the source's, and fewer bins
-    merge the counts exactly). Anything else would need statistics that were never collected: raises ``ConfigError``.
+    histogram-family observers (they all store the same histogram; ``bins`` and ``sample_values`` default to the
+    source's, and fewer bins merge the counts exactly). Anything else would need statistics that were never
+    collected: raises ``ConfigError``.
 
     Example::
 
@@ -35,6 +36,7 @@ def switch_method(observer: Observer, name: str, **options: Any) -> Observer:
     target = get_activation_observer(name)
     if issubclass(target, HistogramObserverBase) and isinstance(observer, HistogramObserverBase):
         options.setdefault("bins", observer.bins)
+        options.setdefault("sample_values", observer.sample_values)
     elif not issubclass(target, MinMaxObserver):
         source = f"{observer.label or 'observer'} ({type(observer).__name__})"
         raise ConfigError(
