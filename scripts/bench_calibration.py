@@ -40,7 +40,6 @@ import copy
 import gc
 import itertools
 import json
-import random
 import re
 import statistics
 import subprocess
@@ -60,7 +59,7 @@ from fxquant.calibration import observers_of
 from fxquant.kernels.quantized_engine import quantized_engine
 from fxquant.models import create_model, example_inputs
 from fxquant.models.digits import accuracy, digits_loader, train_digits_cnn
-from fxquant.report.latency import num_threads
+from fxquant.report.latency import interleaved_samples, num_threads
 
 OBSERVERS = ("minmax", "moving_average", "histogram", "percentile", "entropy", "mse")
 HISTOGRAM_FAMILY = ("histogram", "percentile", "entropy", "mse")
@@ -165,29 +164,12 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 def interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int, min_rounds: int, max_rounds: int,
                 budget_s: float, clock: str = "wall") -> dict[str, list[float]]:
-    """Milliseconds per call of each callable, one call each per round in a new seeded order every round.
-
-    The i-th samples of two callables come from the same round, so their ratio is paired: a slow stretch of a shared
-    machine slows both. A new order each round keeps what one configuration leaves in the caches from always
-    being charged to the same other one. ``clock="cpu"`` times the CPU time of this process instead of the wall
-    clock: with one thread, the time other processes hold the core is not counted (their cache traffic still is).
-    """
-    samples: dict[str, list[float]] = {label: [] for label in fns}
-    order, shuffle, now = list(fns.items()), random.Random(0).shuffle, CLOCKS[clock]
-    with torch.inference_mode():
-        for fn in fns.values():
-            for _ in range(warmup):
-                fn()
-        deadline = time.perf_counter() + budget_s
-        for round_ in range(max_rounds):
-            shuffle(order)
-            for label, fn in order:
-                start = now()
-                fn()
-                samples[label].append((now() - start) * 1e3)
-            if round_ + 1 >= min_rounds and time.perf_counter() > deadline:
-                break
-    return samples
+    """Milliseconds per call of each callable, one call each per round in a new seeded order every round
+    (:func:`fxquant.report.latency.interleaved_samples`): the i-th samples of two callables are paired.
+    ``clock="cpu"`` times the CPU time of this process instead of the wall clock: with one thread, the time other
+    processes hold the core is not counted (their cache traffic still is)."""
+    return interleaved_samples(fns, warmup=warmup, min_runs=min_rounds, max_runs=max_rounds, time_budget_s=budget_s,
+                               clock=CLOCKS[clock])
 
 
 @dataclass(frozen=True)

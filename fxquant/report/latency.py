@@ -67,17 +67,33 @@ def measure_latency(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 3, mi
     """Time each zero-argument callable in ``fns``, interleaved round by round, under ``torch.inference_mode``.
 
     Always runs ``min_runs`` rounds; then stops when every callable's mean is known within ``rel_ci`` (95%
-    confidence), after ``max_runs`` rounds, or when ``time_budget_s`` is spent, whichever is first. Each round runs
-    the callables in a new order (a seeded shuffle, so a run is repeatable): whatever runs right after another
-    model pays for what that model left behind (its weights in the caches; after a float model, int8 kernels run
-    slower for a while), and a fixed order - or one merely rotated, which keeps every callable's predecessor -
-    would charge it to the same callable every round (measured: 25% on a sub-millisecond MLP right after its FP32
-    model).
+    confidence), after ``max_runs`` rounds, or when ``time_budget_s`` is spent, whichever is first. The rounds are
+    :func:`interleaved_samples`'.
+    """
+    with num_threads(threads):
+        samples = interleaved_samples(fns, warmup=warmup, min_runs=min_runs, max_runs=max_runs,
+                                      time_budget_s=time_budget_s, rel_ci=rel_ci)
+    return {name: _stats(s) for name, s in samples.items()}
+
+
+def interleaved_samples(fns: Mapping[str, Callable[[], Any]], *, warmup: int, min_runs: int, max_runs: int,
+                        time_budget_s: float, rel_ci: float | None = None,
+                        clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Milliseconds of every call of each callable, one call each per round, under ``torch.inference_mode``.
+
+    Each round runs the callables in a new order (a seeded shuffle, so a run is repeatable): whatever runs right
+    after another model pays for what that model left behind (its weights in the caches; after a float model, int8
+    kernels run slower for a while), and a fixed order - or one merely rotated, which keeps every callable's
+    predecessor - would charge it to the same callable every round (measured: 25% on a sub-millisecond MLP right
+    after its FP32 model). The i-th samples of two callables come from the same round, so their ratio is paired.
+    Stops after ``min_runs`` rounds once every mean is known within ``rel_ci`` (None: never), the time budget is
+    spent, or after ``max_runs``. ``clock``: e.g. ``time.process_time`` to leave out the time other processes hold
+    a core.
     """
     samples: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns.items())
     shuffle = random.Random(0).shuffle
-    with num_threads(threads), torch.inference_mode():
+    with torch.inference_mode():
         for fn in fns.values():
             for _ in range(warmup):
                 fn()
@@ -85,14 +101,15 @@ def measure_latency(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 3, mi
         for round_ in range(max_runs):
             shuffle(order)
             for name, fn in order:
-                start = time.perf_counter()
+                start = clock()
                 fn()
-                samples[name].append((time.perf_counter() - start) * 1e3)
+                samples[name].append((clock() - start) * 1e3)
             if round_ + 1 < min_runs:
                 continue
-            if all(_converged(s, rel_ci) for s in samples.values()) or time.perf_counter() > deadline:
+            converged = rel_ci is not None and all(_converged(s, rel_ci) for s in samples.values())
+            if converged or time.perf_counter() > deadline:
                 break
-    return {name: _stats(s) for name, s in samples.items()}
+    return samples
 
 
 def resize_batch(args: tuple[Any, ...], kwargs: Mapping[str, Any], batch_size: int) -> tuple[tuple[Any, ...],
