@@ -54,8 +54,9 @@ class HistogramObserverBase(Observer):
     * ``sample_values`` (default ``2**16``; ``None`` or 0 counts every value): a batch of more than twice this many
       values has its histogram counted on about this many of them, every ``k``-th run of 2048 contiguous values
       (``k`` the smallest prime giving at most ``sample_values`` values, plus one run), each count weighted by
-      ``k``. Counting every value of large activations made calibration cost ~2x a run without observers; the
-      sample bounds the counting per batch (docs/calibration.md, "The default observer"). The running
+      ``k``. Counting every value of large activations put calibration above its cost bound on convnets whose
+      float layers do little work per activation; the sample bounds the counting per batch (docs/calibration.md,
+      "The default observer"). The running
       ``min_val``/``max_val`` are always exact (every value), so the histogram's grid and the ``minmax`` range
       cover every value; only the bin counts, so the clipping search, are estimates. Smaller batches are counted
       in full, exactly as with ``None``. The sample is a function of the batch alone (no random state): the same
