@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fxquant.cpu import isa_cap
 from fxquant.errors import ConfigError
 
 CONFIG_VERSION = 1
@@ -102,6 +103,7 @@ class QuantConfig:
             if isinstance(value, str) or not isinstance(value, Sequence):
                 raise ConfigError(f"QuantConfig.{name} must be a list of patterns, got {value!r}")
             object.__setattr__(self, name, tuple(str(v) for v in value))
+        isa_cap()  # a bad FXQUANT_ISA fails here, with the fix, before any kernel is picked by it
         _check_choice("backend", self.backend, BACKENDS, "QuantConfig")
         _check_choice("weight", self.weight, WEIGHT_SCHEMES, "QuantConfig")
         _check_activation(self.activation, "QuantConfig")

@@ -46,12 +46,18 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def isa_cap() -> int:
-    """The index in :data:`ISA_LEVELS` of the highest level ``FXQUANT_ISA`` allows (the last one when unset)."""
+def isa_cap(*, strict: bool = True) -> int:
+    """The index in :data:`ISA_LEVELS` of the highest level ``FXQUANT_ISA`` allows (the last one when unset).
+
+    A value that is not a level raises ``ConfigError``; with ``strict=False`` (the C loops' cap, read while
+    ``import fxquant`` runs, where an exception would be a traceback) it is the lowest level instead, and the
+    error comes from the first Python check, inside the caller's own error handling."""
     value = os.environ.get(ISA_ENV, "").strip().lower()
     if not value:
         return len(ISA_LEVELS) - 1
     if value not in ISA_LEVELS:
+        if not strict:
+            return 0
         raise ConfigError(f"{ISA_ENV}={value!r} is not one of {', '.join(ISA_LEVELS)}; unset it to use every "
                           "instruction set this CPU has")
     return ISA_LEVELS.index(value)
@@ -69,7 +75,8 @@ def has_avx512() -> bool:
 
 
 def has_vnni() -> bool:
-    """AVX512-VNNI: u8*s8 dot products accumulate in 32 bits (no 16-bit saturation)."""
+    """AVX512-VNNI or AVX-VNNI: u8*s8 dot products accumulate in 32 bits (no 16-bit saturation). The C loops
+    need AVX512-VNNI itself and check for it."""
     return _allows("vnni")
 
 

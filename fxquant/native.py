@@ -25,7 +25,7 @@ except ImportError:  # no compiler at install time: the torch paths
 if os.environ.get(DISABLE_ENV) == "0":
     loops = None
 if loops is not None:
-    loops.set_isa_cap(isa_cap())  # FXQUANT_ISA, read once: the loops keep the cap the process started with
+    loops.set_isa_cap(isa_cap(strict=False))  # FXQUANT_ISA, read once: the loops keep the process's first cap
 
 
 # The thread rule. Every loop here runs on one thread, while the kernels they replace (fbgemm's, qnnpack's, torch's
@@ -35,10 +35,14 @@ if loops is not None:
 THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "upsample": 1, "elementwise": 2, "histogram": 4}
 
 
+def loops_for(family: str = "elementwise") -> ModuleType | None:
+    """The C loops where they are here and ``family``'s (:data:`THREAD_LIMITS`) may run at torch's current thread
+    count, else None."""
+    return loops if loops is not None and torch.get_num_threads() <= THREAD_LIMITS[family] else None
+
+
 def available(family: str = "elementwise") -> bool:
-    """Whether the C loops are here and ``family``'s loops (:data:`THREAD_LIMITS`) may run at torch's current
-    thread count."""
-    return loops is not None and torch.get_num_threads() <= THREAD_LIMITS[family]
+    return loops_for(family) is not None
 
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}

@@ -94,7 +94,7 @@ def main() -> None:
 def _linear_path(backend: Backend, k: int, n: int, rows: int) -> str:
     """What the backend runs for this Linear at this thread count: AMX tiles, the VNNI row loop or the engine."""
     loop = backend.prepack_linear(torch.ones(n, k, dtype=torch.int8), _weight_qp(n), None, in_qp=IN_QP).payload[1]
-    if loop is None or not loop.takes(rows) or not native.available(f"{loop.engine}_linear"):
+    if loop is None or not loop.takes(rows) or not native.available(loop.family):
         return "engine"
     return "tiles" if loop.tiled(rows) else "VNNI rows"
 

@@ -67,3 +67,9 @@ def test_unsupported_version_and_unparsable_file(tmp_path: Path) -> None:
         QuantConfig.from_file(bad)
     with pytest.raises(ConfigError, match="does not exist"):
         QuantConfig.from_file(tmp_path / "missing.json")
+
+
+def test_a_bad_fxquant_isa_is_a_config_error_naming_the_levels(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXQUANT_ISA", "avx1024")
+    with pytest.raises(ConfigError, match="FXQUANT_ISA='avx1024' is not one of avx2, avx512, vnni, amx"):
+        QuantConfig()

@@ -67,6 +67,11 @@ class NativeConv:
             return self.tiles or (positions < 16 and (self.engine == "qnnpack" or few))
         return self.tiles and (self.engine != "qnnpack" or self.macs(positions) >= 1 << 17)
 
+    @property
+    def family(self) -> str:
+        """Its loop family in the thread rule (``native.THREAD_LIMITS``)."""
+        return f"{self.engine}_linear" if self.linear else "conv"
+
     def tiled(self, positions: int) -> bool:
         """Whether :meth:`takes` means the AMX tiles (else, for a Linear, the VNNI row loop)."""
         return self.tiles and (not self.linear or (positions >= 16 and self.macs(positions) >= 1 << 20))

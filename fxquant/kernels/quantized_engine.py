@@ -172,12 +172,10 @@ class _QuantizedDtypeBackend(Backend):
         payload, loop = packed.payload
         scale, zp = out_qp.scalar()
         out = None
-        if loop is not None and native.available(f"{loop.engine}_linear") and a.dim() >= 2 and a.is_contiguous() \
-                and not torch.jit.is_tracing():
-            rows = a.reshape(-1, a.shape[-1])
-            if not loop.takes(rows.shape[0]):
-                pass
-            elif loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
+        rows = a.reshape(-1, a.shape[-1]) if a.dim() >= 2 and a.is_contiguous() else None
+        if loop is not None and rows is not None and native.available(loop.family) and \
+                loop.takes(rows.shape[0]) and not torch.jit.is_tracing():
+            if loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
                 tiles = _native_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
                 out = None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
             else:
@@ -319,8 +317,8 @@ def _native_conv(a: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu:
     records the engine's conv), a size where the engine's kernel is faster, or a process without AMX. An input with
     strided channels (fbgemm's 3-d convs return NCDHW) is made channels-last first, as the engine itself does."""
     spec = loop.spec
-    if not native.available(f"{loop.engine}_linear" if loop.linear else "conv") or torch.jit.is_tracing() or \
-            a.dtype != torch.quint8 or a.dim() != spec.dim + 2:
+    if not native.available(loop.family) or torch.jit.is_tracing() or a.dtype != torch.quint8 or \
+            a.dim() != spec.dim + 2:
         return None
     kernel = loop.kernel[3 - spec.dim:]
     size = [(a.shape[2 + i] + 2 * spec.padding[i] - kernel[i]) // spec.stride[i] + 1 for i in range(spec.dim)]

@@ -43,8 +43,9 @@ def available_backends() -> tuple[str, ...]:
     return tuple(name for name, cls in sorted(_BACKENDS.items()) if cls.is_available())
 
 
-# The default's order of preference: oneDNN (plain int8 tensors, the fastest on every zoo model measured, with or
-# without AMX: docs/backends.md), then the engines on torch's deprecated quantized dtypes, then the reference.
+# The default's order of preference: oneDNN (plain int8 tensors; fxquant's fastest backend on the zoo's convnets and
+# transformers, with or without AMX: docs/backends.md), then the engines on torch's deprecated quantized dtypes, then
+# the reference.
 DEFAULT_PREFERENCE = ("onednn", "fbgemm", "qnnpack", "reference")
 
 

@@ -182,3 +182,11 @@ def test_usage_errors_are_one_line_too(capsys: pytest.CaptureFixture[str]) -> No
         main(["calibrate", "--batches", "0"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().count("\n") == 0
+
+
+def test_a_bad_fxquant_isa_is_one_line_not_a_traceback_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C loops read FXQUANT_ISA while ``import fxquant`` runs; a bad value must still end as exit 2, one line."""
+    monkeypatch.setenv("FXQUANT_ISA", "sse9")
+    result = run_cli("graph", "--model", "fxquant.models:conv_bn_net", "--example-inputs", "1x3x32x32")
+    assert result.returncode == 2, result.stderr
+    assert "FXQUANT_ISA='sse9' is not one of avx2, avx512, vnni, amx" in error_line(result, "graph")
