@@ -172,15 +172,9 @@ class _QuantizedDtypeBackend(Backend):
         payload, loop = packed.payload
         scale, zp = out_qp.scalar()
         out = None
-        rows = a.reshape(-1, a.shape[-1]) if a.dim() >= 2 and a.is_contiguous() else None
-        if loop is not None and rows is not None and native.available(loop.family) and \
-                loop.takes(rows.shape[0]) and not torch.jit.is_tracing():
-            if loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
-                tiles = _native_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
-                out = None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
-            else:
-                out = _native_rows(rows, loop, scale, zp, relu)
-                out = None if out is None else out.reshape(*a.shape[:-1], loop.out_channels)
+        if loop is not None and a.dim() >= 2 and a.shape[-1] and a.is_contiguous() and native.available(loop.family) \
+                and not torch.jit.is_tracing():
+            out = _native_linear(a, loop, scale, zp, relu)
         if out is None:
             out = (_q.linear_relu if relu else _q.linear)(a, payload, scale, zp)
         return _within(out, out_qp)
@@ -299,6 +293,19 @@ def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> to
     done = native.patches_into(out, a, loop.weight, loop.column_sums, loop.bias, loop.out_channels, factors,
                                (a.q_zero_point(), zp), (kernel[0], kernel[1]))
     return out if done else None
+
+
+def _native_linear(a: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
+    """A Linear on the rows of a contiguous ``a`` by a C loop (the engine's results), or None where the engine's
+    kernel is faster for that many rows (:meth:`NativeConv.takes`) or the loop declines."""
+    rows = a.reshape(-1, a.shape[-1])
+    if not loop.takes(rows.shape[0]):
+        return None
+    if loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
+        tiles = _native_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
+        return None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
+    out = _native_rows(rows, loop, scale, zp, relu)
+    return None if out is None else out.reshape(*a.shape[:-1], loop.out_channels)
 
 
 def _native_rows(rows: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
