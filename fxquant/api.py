@@ -15,13 +15,10 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from fxquant import runner
-from fxquant.auto import FAMILIES, convert_auto, family_of, relower_layers
 from fxquant.calibration import calibrate, observers_of
 from fxquant.calibration.memory_format import runs_channels_last
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError, ConfigError, InputError, TraceError
-from fxquant.islands import lower_islands, prepare_graph, prepare_islands, prepared_islands, wrap_untraceable_root
 from fxquant.kernels.registry import get_backend
 from fxquant.nn.fused import COMPUTE_TYPES
 from fxquant.observers import switch_method
@@ -33,6 +30,15 @@ from fxquant.passes import (
     smooth_activations,
 )
 from fxquant.passes._graph import replace_submodule
+from fxquant.passes.islands import (
+    lower_islands,
+    prepare_graph,
+    prepare_islands,
+    prepared_islands,
+    wrap_untraceable_root,
+)
+from fxquant.runtime import runner
+from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
 from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
 from fxquant.tracing import GraphBreak, trace, trace_partially
 
@@ -181,7 +187,8 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
     bias correction are applied here (see :func:`apply_statistics`).
 
     ``backend="auto"`` measures the available kernels on this CPU on each layer's real shapes (see
-    :mod:`fxquant.auto`); ``fxquant.coverage`` shows the backend each layer got. The fastest kernel depends on the
+    :mod:`fxquant.runtime.auto_backend`); ``fxquant.coverage`` shows the backend each layer got. The fastest kernel
+    depends on the
     batch size (fbgemm leads at batch 1, oneDNN at 32 on AMX CPUs), so pass ``example_inputs`` shaped like your
     deployment batches; by default auto measures on random inputs shaped like prepare()'s ``example_inputs``. The
     choices are recorded (``quant_state(qmodel).layer_backends``, and in saved artifacts); ``layer_backends=`` with
@@ -256,12 +263,12 @@ def quantize(model: nn.Module, example_inputs: Any, data: Iterable[Any], config:
 
     With ``eval_fn`` (model -> metric, higher is better) and ``max_accuracy_drop`` (in metric units) it keeps the
     fewest layers float that bring the drop within the budget, in at most ``max_trials`` conversions, and returns
-    the best model found; ``qmodel.meta["fxquant_fallback"]`` holds every trial (see :mod:`fxquant.fallback`)::
+    the best model found; ``qmodel.meta["fxquant_fallback"]`` holds every trial (see :mod:`fxquant.tuning.budget`)::
 
         qmodel = fxquant.quantize(model, (x,), loader, eval_fn=top1, max_accuracy_drop=0.005)
     """
     if eval_fn is not None or max_accuracy_drop is not None:
-        from fxquant.fallback import quantize_within_budget  # lazy: the search is built on this module
+        from fxquant.tuning.budget import quantize_within_budget  # lazy: the search is built on this module
 
         if eval_fn is None or max_accuracy_drop is None:
             raise ConfigError("the accuracy-budget fallback needs both eval_fn (model -> metric, higher is better) "

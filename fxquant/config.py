@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fxquant.cpu import isa_cap
 from fxquant.errors import ConfigError
+from fxquant.native.isa import isa_cap
 
 CONFIG_VERSION = 1
 BACKENDS = ("fbgemm", "qnnpack", "onednn", "reference", "auto")

@@ -19,12 +19,12 @@ from torch import fx, nn
 from fxquant.api import quant_state
 from fxquant.kernels.base import Backend
 from fxquant.kernels.registry import get_backend
-from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import compute_module
 from fxquant.passes._graph import modules_of, only_user, replace_submodule
 from fxquant.passes.lower import fixed_output_qparams, observer_qparams, weight_qparams
+from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.patterns import OpKind, classify, tensor_input
 from fxquant.passes.value_ops import pool_options
-from fxquant.patterns import OpKind, classify, tensor_input
 from fxquant.qparams import QParams, fake_quantize
 
 

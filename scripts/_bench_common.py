@@ -27,10 +27,10 @@ import torch
 from torch import fx, nn
 
 import fxquant
-from fxquant.auto import FAMILIES
-from fxquant.cpu import cpu_model, isa_summary
 from fxquant.models import create_model, example_inputs
+from fxquant.native.isa import cpu_model, isa_summary
 from fxquant.report.latency import LatencyStats
+from fxquant.runtime.auto_backend import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ def executed_model(gm: fx.GraphModule) -> tuple[Any, ...]:
 
     Two fxquant models with equal signatures run the same graph with the same layer kernels (``auto`` whose every
     layer took one backend's kernel is that backend's model), so a benchmark times them once. Non-layer modules
-    (quantize, add, pool) count by their backend's family (``fxquant.auto.FAMILIES``, one activation representation):
+    (quantize, add, pool) count by their backend's family (``fxquant.runtime.auto_backend.FAMILIES``, one activation
+    representation):
     ``auto`` lowers them with the family's first member, and within a family they run the same torch ops.
     """
     def family(module: nn.Module) -> str:

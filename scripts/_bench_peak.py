@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fxquant.cpu import has_amx_int8
+from fxquant.native.isa import has_amx_int8
 
 _CLOCK_C = r"""
 #include <stdio.h>

@@ -25,12 +25,12 @@ from torch import fx, nn
 import fxquant
 from fxquant import QuantConfig
 from fxquant.api import apply_statistics
-from fxquant.fallback import FALLBACK_KEY
 from fxquant.models import accuracy, create_model, digits_loader, train_digits_cnn
 from fxquant.models.bert_style import EncoderLayer
 from fxquant.passes._graph import replace_submodule
 from fxquant.qparams import sqnr_db
 from fxquant.testing import FakeQuantize, simulate
+from fxquant.tuning.budget import FALLBACK_KEY
 
 BERT = dict(hidden=128, layers=2, heads=4, intermediate=512, seq_len=32)
 MOBILENET_SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2))

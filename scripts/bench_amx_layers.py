@@ -1,4 +1,5 @@
-"""Per-layer latency of fxquant's AMX loops (``fxquant.kernels.amx_conv``) against fbgemm's and qnnpack's own kernels.
+"""Per-layer latency of fxquant's AMX loops (``fxquant.kernels.torch_engines.amx_conv``) against fbgemm's and qnnpack's
+own kernels.
 
 Each row times the backend's ``conv``/``linear`` on one prepacked layer twice, with the C loop and with the same
 packed weight without it (the engine's op), interleaved in one :func:`fxquant.report.latency.measure_latency` run so
@@ -20,9 +21,9 @@ from typing import Any
 import torch
 
 from fxquant import native
-from fxquant.cpu import cpu_model, has_amx_int8, has_vnni, isa_level
 from fxquant.kernels.base import Backend, ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.native.isa import cpu_model, has_amx_int8, has_vnni, isa_level
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
 from fxquant.report.latency import measure_latency
 

@@ -56,7 +56,7 @@ from torch import nn
 
 import fxquant
 from fxquant.calibration import observers_of
-from fxquant.kernels.quantized_engine import quantized_engine
+from fxquant.kernels.torch_engines.backends import quantized_engine
 from fxquant.models import create_model, example_inputs
 from fxquant.models.digits import accuracy, digits_loader, train_digits_cnn
 from fxquant.report.latency import interleaved_samples, num_threads

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fxquant.cpu import cpu_model, isa_summary
 from fxquant.kernels.base import Backend, ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.native.isa import cpu_model, isa_summary
 from fxquant.qparams import affine_qparams, symmetric_qparams
 from fxquant.qparams import quantize as quantize_weight
 from fxquant.report.latency import measure_latency

@@ -37,7 +37,7 @@ from torch import nn
 import fxquant
 from fxquant import QuantConfig
 from fxquant.report.latency import measure_latency
-from fxquant.sensitivity import layer_sqnr
+from fxquant.tuning.sensitivity import layer_sqnr
 
 STDLIB_MODULES = ("json", "textwrap", "argparse", "collections", "itertools", "functools", "pathlib", "subprocess",
                   "logging", "unittest", "csv", "random", "statistics", "datetime", "heapq", "bisect", "shutil",

@@ -46,7 +46,7 @@ def onednn_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     """
     import platform
 
-    from fxquant.kernels import onednn_direct
+    from fxquant.kernels.onednn import direct as onednn_direct
 
     if request.param == "torch_ops":
         monkeypatch.setattr(onednn_direct, "available", lambda: False)

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import fxquant
-from fxquant.auto import FAMILIES
 from fxquant.errors import InputError
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.models import create_model
+from fxquant.runtime.auto_backend import FAMILIES
 from fxquant.testing import assert_sqnr, calibrated
 
 
@@ -34,7 +34,7 @@ def test_auto_picks_available_backends_of_one_representation_and_stays_accurate(
 
 def test_auto_measures_on_the_deployment_batch_it_is_given() -> None:
     """The fastest kernel depends on the batch size, so auto times every layer on the inputs passed to convert."""
-    from fxquant import auto
+    from fxquant.runtime import auto_backend as auto
 
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).eval()
     prepared = fxquant.prepare(model, (torch.randn(1, 32),))  # the example batch is 1; deployment batches are 48
@@ -65,7 +65,7 @@ def test_recorded_choices_replay_without_measuring_and_survive_save_and_load(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Auto's choice flips with machine load; a saved auto model must load as it was saved, not re-measured (an
     artifact whose last Linear had moved between the fbgemm and onednn families failed its graph check on load)."""
-    from fxquant import auto
+    from fxquant.runtime import auto_backend as auto
 
     model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 5)).eval()
     prepared = calibrated(model, (4, 3, 6, 6))
@@ -106,7 +106,7 @@ def _rigged(monkeypatch: pytest.MonkeyPatch, layer_pick: dict[type, str], median
             ) -> dict[str, tuple[torch.Size, ...]]:
     """Per-layer timings that crown ``layer_pick[type(layer)]``, whole-model medians from ``medians``; returns the
     whole-model candidates offered, each with the input shapes it was timed on."""
-    from fxquant import auto
+    from fxquant.runtime import auto_backend as auto
 
     def time_layer(module: object, names: list[str], x: torch.Tensor) -> dict[str, float]:
         return {name: 1.0 if name == layer_pick[type(module)] else 9.0 for name in names}
@@ -137,7 +137,7 @@ def test_auto_keeps_the_fastest_whole_model_when_layer_timings_point_elsewhere(
     offered = _rigged(monkeypatch, {QuantizedConv2d: "qnnpack", QuantizedLinear: "qnnpack"},
                       {"onednn": 4.0, "qnnpack": 31.0, "fbgemm": 20.0})
     example = (torch.randn(3, 3, 32, 32),)
-    with caplog.at_level("INFO", logger="fxquant.auto"):
+    with caplog.at_level("INFO", logger="fxquant.runtime.auto_backend"):
         qmodel = fxquant.convert(prepared, backend="auto", example_inputs=example)
     # the mix is qnnpack everywhere, the same model as qnnpack alone: built and timed once
     assert offered == dict.fromkeys(("fbgemm", "qnnpack", "onednn"), ((3, 3, 32, 32),)), offered
@@ -162,8 +162,8 @@ def test_auto_keeps_the_mix_only_when_it_is_the_fastest_whole_model(
     assert _layers(qmodel) == expected
     x = torch.randn(3, 3, 32, 32)
     # the reference: the single backend's own conversion, or for the mix the recorded choices replayed. Auto lowers
-    # a family with its first member's qparams (fxquant.auto._family_candidates): qnnpack alone runs on fbgemm's
-    # activation ranges (7 bits without VNNI), so its own conversion takes those ranges here
+    # a family with its first member's qparams (fxquant.runtime.auto_backend._family_candidates): qnnpack alone runs on
+    # fbgemm's activation ranges (7 bits without VNNI), so its own conversion takes those ranges here
     if winner == "qnnpack":
         monkeypatch.setattr(get_backend("qnnpack"), "activation_qrange", get_backend("fbgemm").activation_qrange)
     reference = (fxquant.convert(prepared, backend=winner) if winner != MIX
@@ -176,7 +176,7 @@ def test_whole_models_are_compared_by_median_not_by_one_lucky_call() -> None:
     """A model that is slow in every round but one must lose to one that is steadily faster."""
     import time
 
-    from fxquant import auto
+    from fxquant.runtime import auto_backend as auto
 
     calls = {"lucky": 0}
 
@@ -193,7 +193,7 @@ def test_whole_models_are_compared_by_median_not_by_one_lucky_call() -> None:
 
 
 def test_rounds_run_candidates_in_shuffled_orders() -> None:
-    from fxquant import auto
+    from fxquant.runtime import auto_backend as auto
 
     sequence: list[str] = []
     candidates = {name: (lambda name=name: sequence.append(name)) for name in "abc"}

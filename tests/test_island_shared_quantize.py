@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxquant.islands import SharedQuantize
 from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.passes.islands import SharedQuantize
 from fxquant.qparams import affine_qparams
 
 

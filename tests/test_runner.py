@@ -1,5 +1,5 @@
-"""``fxquant.runner``: a converted model's forward walks its graph instead of running torch.fx's generated code, and
-must compute exactly what that code computes, whatever users do to the model afterwards."""
+"""``fxquant.runtime.runner``: a converted model's forward walks its graph instead of running torch.fx's generated
+code, and must compute exactly what that code computes, whatever users do to the model afterwards."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import fx, nn
 import fxquant
 from fxquant.kernels.registry import available_backends
 from fxquant.models import create_model, example_inputs
-from fxquant.runner import GraphRunner, install
+from fxquant.runtime.runner import GraphRunner, install
 
 BACKENDS = [b for b in ("onednn", "fbgemm", "reference") if b in available_backends()]
 

@@ -1,5 +1,5 @@
-"""``fxquant.segments``: runs of onednn layers recorded once and replayed as primitive calls must compute exactly what
-torch.fx's generated code computes, call after call, and step aside whenever the recording no longer holds."""
+"""``fxquant.runtime.replay``: runs of onednn layers recorded once and replayed as primitive calls must compute exactly
+what torch.fx's generated code computes, call after call, and step aside whenever the recording no longer holds."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from torch import fx, nn
 
 import fxquant
-from fxquant import segments
-from fxquant.kernels import onednn_direct
+from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.registry import available_backends
 from fxquant.models import create_model, example_inputs
 from fxquant.qparams import QParams
+from fxquant.runtime import replay as segments
 
 pytestmark = pytest.mark.skipif("onednn" not in available_backends() or not onednn_direct.available(),
                                 reason="needs the onednn backend on fxquant's own oneDNN primitives")

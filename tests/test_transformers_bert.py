@@ -48,7 +48,7 @@ def test_islands_reading_one_value_share_its_quantize_and_outputs_do_not_change(
     """query/key/value read one ``hidden_states``: one quantize, not three. (The output block's residual add
     runs float, so only the intermediate block quantizes the attention output.) The shared int8 tensor is the one
     each would have made, so the output is bit-identical to converting without sharing."""
-    import fxquant.islands
+    import fxquant.passes.islands
 
     config = transformers.BertConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                      intermediate_size=64, max_position_embeddings=32)
@@ -57,7 +57,7 @@ def test_islands_reading_one_value_share_its_quantize_and_outputs_do_not_change(
                for _ in range(3)]
     shared = _converted(model, batches)
     with monkeypatch.context() as patch:
-        patch.setattr(fxquant.islands, "_share_input_quantizes", lambda gm: None)
+        patch.setattr(fxquant.passes.islands, "_share_input_quantizes", lambda gm: None)
         separate = _converted(model, batches)
     before, after = fxquant.coverage(separate), fxquant.coverage(shared)
     layers = config.num_hidden_layers

@@ -42,7 +42,7 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # one path component: 
 
 
 def _fxquant_version() -> str:
-    from fxquant import __version__  # lazy: fxquant/__init__ imports this package
+    from fxquant._version import __version__
 
     return __version__
 

@@ -16,7 +16,7 @@ every rank: min/max statistics equal a single-process run's exactly, and histogr
 canonical histogram grid makes the counts independent of how the data was split). ``moving_average`` merges by a
 batch-weighted average (an EMA is order-dependent, so no merge rule reproduces one run exactly).
 
-``python -m fxquant.calibration.launch --help`` is a ready-made torchrun entry point for models and data given
+``python -m fxquant.cli.launch --help`` is a ready-made torchrun entry point for models and data given
 as ``PKG.MODULE:FUNCTION``; it writes the merged statistics as a calibration checkpoint
 (:func:`fxquant.calibration.checkpoint.load_checkpoint` restores them into a prepared model).
 """

@@ -72,7 +72,7 @@ def _graph_model(args: argparse.Namespace) -> Any:
 
 
 def _graph(args: argparse.Namespace) -> int:
-    from fxquant.graph_view import format_graph, node_role
+    from fxquant.inspect.graph import format_graph, node_role
 
     gm = _graph_model(args)
     modules = dict(gm.named_modules())
@@ -83,7 +83,7 @@ def _graph(args: argparse.Namespace) -> int:
 
 
 def _coverage(args: argparse.Namespace) -> int:
-    from fxquant.coverage import coverage
+    from fxquant.inspect.coverage import coverage
 
     report = coverage(_graph_model(args))
     data = {"layers": report.rows(), "quantize_nodes": report.quantize_nodes,
@@ -105,7 +105,7 @@ def _trusted_here(directory: Path, manifest: Any) -> str:
 
 
 def _inspect_text(directory: Path, manifest: Any, files: dict[str, str]) -> str:
-    from fxquant import __version__
+    from fxquant._version import __version__
 
     source = manifest.source if isinstance(manifest.source, dict) else {}
     lines = [f"run directory  {directory}", f"stage          {manifest.stage}",
@@ -163,7 +163,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from fxquant.demo import run_demo
+    from fxquant.cli.demo import run_demo
 
     run_demo(threads=args.threads, backend=args.backend, progress=not args.quiet)
     return 0

@@ -1,7 +1,7 @@
 """``fxquant convert``: lower a calibrated run to INT8, optionally within an accuracy budget.
 
 Plain ``convert`` lowers the run's calibrated statistics. With ``--max-accuracy-drop PTS`` it runs the
-accuracy-budget search of :mod:`fxquant.fallback` instead: the metric (``--metric``, as in ``fxquant report``) is
+accuracy-budget search of :mod:`fxquant.tuning.budget` instead: the metric (``--metric``, as in ``fxquant report``) is
 measured on ``--eval-data``, the fewest layers are kept float that bring the drop within ``PTS`` metric points
 (``fxquant regress`` uses the same unit: 0.5 = half a percentage point of top-1), and the trial table is printed.
 The kept-float layers go into the run's config as ``exclude`` patterns and the run is prepared and calibrated again
@@ -103,7 +103,7 @@ def _write(args: argparse.Namespace, prepared: fx.GraphModule, quantized: fx.Gra
            extra: dict[str, Any], text: str = "") -> None:
     """Record ``prepared``'s config, graph and statistics, then ``quantized``, as RUN_DIR's converted stage."""
     from fxquant.artifacts.model_io import observer_statistics, set_converted, set_graph, tensor_state
-    from fxquant.graph_view import node_role
+    from fxquant.inspect.graph import node_role
     from fxquant.state import quant_state
 
     directory, manifest = open_run(args.run_dir, needs="calibrated")
@@ -129,9 +129,9 @@ def _eval_options(args: argparse.Namespace) -> DataOptions:
 
 def _within_budget(args: argparse.Namespace) -> int:
     from fxquant.calibration.adapters import forward_parameters
-    from fxquant.fallback import quantize_within_budget
     from fxquant.report.evaluate import score
     from fxquant.report.metrics import resolve_metric
+    from fxquant.tuning.budget import quantize_within_budget
 
     directory, manifest = open_run(args.run_dir, needs="calibrated")
     model, prepared, example = rebuild_run(directory, manifest, trust_options(args), stage="calibrated")

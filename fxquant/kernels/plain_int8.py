@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from fxquant import native
 from fxquant.errors import ConfigError
 from fxquant.kernels.base import Backend
+from fxquant.native.scratch import scratch_like
 from fxquant.qparams import QParams, dequantize, quantize
-from fxquant.scratch import scratch_like
 
 _ADAPTIVE_POOLS = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}
 _AVG_POOLS = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
@@ -102,8 +102,8 @@ def window_max(a: torch.Tensor, dim: int, kwargs: dict[str, Any]) -> torch.Tenso
 
 
 def _native_quantize(x: torch.Tensor, qp: QParams, channels_last: bool) -> torch.Tensor | None:
-    """``qparams.quantize`` by the C loop (one read, one write per value; ``fxquant/_native.c``), or None where it
-    does not apply: no C loop, not float32 on the CPU, per-channel, or memory that is neither contiguous nor (4-d)
+    """``qparams.quantize`` by the C loop (one read, one write per value; ``fxquant/native/_native.c``), or None where
+    it does not apply: no C loop, not float32 on the CPU, per-channel, or memory that is neither contiguous nor (4-d)
     channels-last. A contiguous NCHW input becomes channels-last in the same pass (1x3x224x224, one thread: 103 us,
     against 335 us for the torch path, of which torch's NCHW -> NHWC copy of the 3-channel result alone is 80 us)."""
     loops = native.loops_for()

@@ -12,7 +12,8 @@ from fxquant.kernels.base import Backend
 _BACKENDS: dict[str, type[Backend]] = {}
 _INSTANCES: dict[str, Backend] = {}
 # Built-in backends live in these modules; importing one registers it.
-_BUILTIN_MODULES = ("fxquant.kernels.quantized_engine", "fxquant.kernels.reference", "fxquant.kernels.onednn")
+_BUILTIN_MODULES = ("fxquant.kernels.torch_engines.backends", "fxquant.kernels.reference",
+                    "fxquant.kernels.onednn.backend")
 
 B = TypeVar("B", bound=type[Backend])
 

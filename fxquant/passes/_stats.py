@@ -13,10 +13,10 @@ from typing import ClassVar
 
 from torch import fx, nn
 
-from fxquant.meta import LAYER_SETTINGS
 from fxquant.observers import Observer
 from fxquant.passes._graph import only_user
-from fxquant.patterns import OpKind, classify
+from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.patterns import OpKind, classify
 
 STATISTICS_KIND = "statistics"
 

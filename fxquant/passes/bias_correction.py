@@ -27,7 +27,6 @@ from torch import fx, nn
 
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError
-from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import compute_module
 from fxquant.observers import Observer
 from fxquant.passes._graph import finish, nodes_of, only_user
@@ -40,7 +39,8 @@ from fxquant.passes._stats import (
     unique_name,
 )
 from fxquant.passes.lower import weight_qparams
-from fxquant.patterns import tensor_input
+from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.patterns import tensor_input
 from fxquant.qparams import fake_quantize
 
 STATISTICS_PREFIX = "bias_correction_statistics_"

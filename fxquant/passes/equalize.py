@@ -28,10 +28,10 @@ import torch
 from torch import fx, nn
 
 from fxquant.config import QuantConfig
-from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import Fused, compute_module
 from fxquant.passes._graph import modules_of, nodes_of, only_user
 from fxquant.passes.insert_observers import resolve_layer_settings
+from fxquant.passes.meta import LAYER_SETTINGS
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 from torch import fx, nn
 
-from fxquant.meta import LAYER_SETTINGS
-from fxquant.patterns import OpKind, classify, is_mul
+from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.patterns import OpKind, classify, is_mul
 
 _PASS_THROUGH = (OpKind.VALUE, OpKind.STRUCTURAL, OpKind.FIXED)
 

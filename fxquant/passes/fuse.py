@@ -9,7 +9,7 @@ from torch import fx, nn
 
 from fxquant.nn.fused import Fused, add_relu, compute_module
 from fxquant.passes._graph import finish, modules_of, nodes_of, only_user, replace_submodule
-from fxquant.patterns import OpKind, classify, is_mul, is_relu
+from fxquant.passes.patterns import OpKind, classify, is_mul, is_relu
 
 
 def _clamp_of(node: fx.Node, modules: Mapping[str, nn.Module]) -> tuple[float, float | None, str] | None:

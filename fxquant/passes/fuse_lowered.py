@@ -39,7 +39,7 @@ from fxquant.nn.quantized import (
     _BackendModule,
 )
 from fxquant.passes._graph import nodes_of, replace_submodule
-from fxquant.patterns import OpKind, classify
+from fxquant.passes.patterns import OpKind, classify
 
 
 def _module(gm: fx.GraphModule, node: fx.Node) -> object:

@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from torch import fx
 
 from fxquant.config import LayerSettings, QuantConfig
-from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import compute_module
 from fxquant.observers import Observer, get_activation_observer
 from fxquant.passes._graph import finish, modules_of, nodes_of
 from fxquant.passes.float_outputs import float_residual_add
-from fxquant.patterns import OpKind, classify, join_inputs, tensor_input
+from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.patterns import OpKind, classify, join_inputs, tensor_input
 
 OBSERVER_PREFIX = "observer_"
 

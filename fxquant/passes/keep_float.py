@@ -1,8 +1,8 @@
 """Keep chosen layers of a calibrated graph float at convert time, without calibrating again.
 
 ``QuantConfig.exclude`` decides at ``prepare`` which layers get observers. The accuracy-budget search
-(:mod:`fxquant.fallback`) instead converts one calibrated model many times, each time with a different set of layers
-kept float: every observer statistic stays valid, only the lowering changes. For a layer kept float this pass
+(:mod:`fxquant.tuning.budget`) instead converts one calibrated model many times, each time with a different set of
+layers kept float: every observer statistic stays valid, only the lowering changes. For a layer kept float this pass
 
 * reads the float value behind its input observer (no quantize-dequantize round trip), or, when its input is an
   int8 value of an upstream layer, goes through :func:`float_barrier`, a float op where lowering dequantizes;
@@ -24,7 +24,6 @@ from dataclasses import replace
 import torch
 from torch import fx
 
-from fxquant.meta import LAYER_SETTINGS
 from fxquant.passes._graph import finish, nodes_of, only_user
 from fxquant.passes._stats import (
     absorbed_by_producer,
@@ -33,7 +32,8 @@ from fxquant.passes._stats import (
     is_statistics,
     kind_of,
 )
-from fxquant.patterns import OpKind, tensor_input
+from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.patterns import OpKind, tensor_input
 
 REASON = "kept float by the accuracy-budget fallback"
 

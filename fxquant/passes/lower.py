@@ -16,7 +16,6 @@ from fxquant.config import LayerSettings, QuantConfig
 from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import Backend, ConvSpec
 from fxquant.kernels.registry import get_backend
-from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fixed_range import QuantizedFixedRange
 from fxquant.nn.fused import Fused, add_relu, compute_module
 from fxquant.nn.quantized import (
@@ -35,9 +34,10 @@ from fxquant.nn.quantized import (
 from fxquant.observers import Observer, get_weight_observer
 from fxquant.passes._graph import finish, modules_of, nodes_of, only_user, replace_submodule
 from fxquant.passes.fuse_lowered import fuse_lowered
+from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.patterns import OpKind, classify, is_mul, join_dim, join_inputs, tensor_input
 from fxquant.passes.share_qparams import share_join_qparams
 from fxquant.passes.value_ops import fixed_function, fixed_qparams, pool_options
-from fxquant.patterns import OpKind, classify, is_mul, join_dim, join_inputs, tensor_input
 from fxquant.qparams import QParams, quantize
 
 _DROPPED = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Identity)

@@ -15,7 +15,7 @@ from torch import fx, nn
 
 from fxquant.observers import Observer
 from fxquant.passes._graph import only_user
-from fxquant.patterns import OpKind, classify, join_inputs
+from fxquant.passes.patterns import OpKind, classify, join_inputs
 from fxquant.qparams import QParams
 
 

@@ -36,7 +36,6 @@ from torch import fx, nn
 
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError
-from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import compute_module
 from fxquant.observers import MinMaxObserver, Observer
 from fxquant.passes._graph import finish, nodes_of, only_user
@@ -50,6 +49,8 @@ from fxquant.passes._stats import (
     unique_name,
 )
 from fxquant.passes.bias_correction import InputMeanObserver
+from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.patterns import tensor_input
 from fxquant.passes.smoothquant_auto import (
     AUTO,
     MIN_SAMPLES,
@@ -62,7 +63,6 @@ from fxquant.passes.smoothquant_auto import (
     smoothing_scales,
 )
 from fxquant.passes.smoothquant_divide import ChannelScale, divide_activation
-from fxquant.patterns import tensor_input
 from fxquant.state import STATE_KEY
 
 log = logging.getLogger(__name__)

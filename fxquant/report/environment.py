@@ -10,18 +10,18 @@ import platform
 
 import torch
 
-from fxquant.cpu import cpu_model, isa_summary
-from fxquant.kernels import onednn_direct
+from fxquant._version import __version__
+from fxquant.kernels.onednn import direct as onednn_direct
+from fxquant.native.isa import cpu_model, isa_summary
 from fxquant.report.sections import Environment
 from fxquant.state import QuantState
 
 
 def describe_environment(state: QuantState, threads: int) -> Environment:
     """The environment of this process for a model quantized as ``state`` says, timed with ``threads`` threads."""
-    import fxquant  # at call time: fxquant/__init__ imports this package
 
     return Environment(
-        torch=torch.__version__, fxquant=fxquant.__version__, python=platform.python_version(), cpu=cpu_model(),
+        torch=torch.__version__, fxquant=__version__, python=platform.python_version(), cpu=cpu_model(),
         isa=isa_summary(), backend=state.backend or state.config.backend, threads=threads,
         observer=state.config.activation, weight=state.config.weight,
         calibration_samples=state.calibration_samples, onednn=onednn_direct.status(),

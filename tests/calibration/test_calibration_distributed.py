@@ -66,7 +66,7 @@ def test_launch_entry_point_writes_merged_statistics(tmp_path: Path) -> None:
     config.write_text(json.dumps({"activation": "histogram",
                                   "overrides": {k: {"activation": v} for k, v in MIXED_OBSERVERS.items()}}))
     out = tmp_path / "stats.pt"
-    torchrun("-m", "fxquant.calibration.launch", "--model", "calib_helpers:tiny_net", "--example-inputs",
+    torchrun("-m", "fxquant.cli.launch", "--model", "calib_helpers:tiny_net", "--example-inputs",
              "4x3x8x8", "--config", str(config), "--data", "calib_helpers:batches", "--quiet", "-o", str(out))
     restored = prepared_tiny("histogram", **MIXED_OBSERVERS)
     progress = load_checkpoint(out, observers_of(restored))

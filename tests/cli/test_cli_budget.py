@@ -17,9 +17,9 @@ import pytest
 import torch
 from cli_testing import error_line, run_cli, snapshot
 
-from fxquant.auto import FAMILIES
 from fxquant.cli.convert import EXIT_BUDGET_MISSED
 from fxquant.models.digits import DigitsCNN, load_digits_splits
+from fxquant.runtime.auto_backend import FAMILIES
 
 
 @pytest.fixture(scope="module")

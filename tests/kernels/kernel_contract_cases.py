@@ -69,7 +69,7 @@ def require_c_loops() -> None:
     """Skip where ``FXQUANT_NATIVE=0`` turns the C loops off on purpose; fail where they were not built."""
     if os.environ.get(native.DISABLE_ENV) == "0":
         pytest.skip(f"{native.DISABLE_ENV}=0 turns the C loops off")
-    assert native.loops is not None, "fxquant._native was not built: reinstall with a C compiler"
+    assert native.loops is not None, "fxquant.native._native was not built: reinstall with a C compiler"
 
 
 @contextmanager
@@ -244,7 +244,7 @@ def assert_export_matches_eager(model: torch.nn.Module, example_shape: tuple[int
     engine it was made for, as docs/cli.md says - records ``op`` (the engine's own kernel, not a C loop) and gives
     the eager model's outputs exactly, on a batch size other than the example's."""
     import fxquant
-    from fxquant.kernels.quantized_engine import quantized_engine
+    from fxquant.kernels.torch_engines.backends import quantized_engine
 
     torch.manual_seed(0)
     prepared = fxquant.prepare(model.eval(), (torch.randn(example_shape),))

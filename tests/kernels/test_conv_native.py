@@ -25,10 +25,10 @@ from torch import nn
 
 import fxquant
 from fxquant import native
-from fxquant.cpu import has_amx_int8, has_vnni, isa_level
-from fxquant.kernels.amx_conv import native_conv
 from fxquant.kernels.base import ConvSpec, PackedWeight
 from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.kernels.torch_engines.amx_conv import native_conv
+from fxquant.native.isa import has_amx_int8, has_vnni, isa_level
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
 
 ENGINES = [name for name in ("fbgemm", "qnnpack") if name in available_backends()]

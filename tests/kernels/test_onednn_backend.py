@@ -25,9 +25,9 @@ from kernel_contract_cases import (
     steps,
 )
 
-from fxquant.cpu import cpu_model, has_amx_int8, isa_level
 from fxquant.kernels.base import ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.native.isa import cpu_model, has_amx_int8, isa_level
 from fxquant.qparams import QParams
 
 pytestmark = [pytest.mark.skipif("onednn" not in available_backends(), reason="torch.ops.onednn int8 ops missing"),

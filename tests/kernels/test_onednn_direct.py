@@ -1,4 +1,5 @@
-"""fxquant's own oneDNN primitives (``fxquant/_dnnl.c`` through ``fxquant.kernels.onednn_direct``) against the torch
+"""fxquant's own oneDNN primitives (``fxquant/kernels/onednn/_dnnl.c`` through ``fxquant.kernels.onednn.direct``)
+against the torch
 ops they replace: the same integers out for every geometry the onednn backend runs, fused post-ops, float outputs,
 the conv+add sum, and what happens around them (threads, a full cache, a refused primitive, the off switch).
 
@@ -19,8 +20,8 @@ import pytest
 import torch
 from kernel_contract_cases import ConvCase, conv_layer, float_conv, make_layer, output_qparams
 
-from fxquant.kernels import onednn_direct
 from fxquant.kernels.base import ConvAddQParams, ConvSpec, PackedWeight
+from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.registry import get_backend
 from fxquant.qparams import QParams
 from fxquant.report.sections import Environment
@@ -227,7 +228,7 @@ def test_a_non_uint8_activation_is_refused() -> None:
 def test_one_openmp_runtime_serves_torch_and_onednn() -> None:
     """oneDNN's libgomp.so.1 resolves to torch's: one thread pool, so torch.set_num_threads governs both. (In a
     fresh process: other packages bring their own, e.g. scikit-learn's bundled libgomp.)"""
-    code = ("from fxquant.kernels import onednn_direct as d; print(d.available()); "
+    code = ("from fxquant.kernels.onednn import direct as d; print(d.available()); "
             "print(*sorted(d._gomp_runtimes()), sep='\\n')")
     lines = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert lines[0] == "True"
@@ -239,7 +240,7 @@ def test_one_openmp_runtime_serves_torch_and_onednn() -> None:
 def test_the_library_can_be_turned_off_or_pointed_elsewhere(value: str, expected: str) -> None:
     """``FXQUANT_DNNL_LIBRARY``: 0 turns the direct path off, a path loads that library; either way the backend runs
     (on the torch ops) and the report's environment says why."""
-    code = ("import torch; from fxquant.kernels import onednn_direct as d; from fxquant.kernels.registry import "
+    code = ("import torch; from fxquant.kernels.onednn import direct as d; from fxquant.kernels.registry import "
             "get_backend; b = get_backend('onednn'); w = torch.randint(-9, 9, (4, 8), dtype=torch.int8); "
             "from fxquant.qparams import QParams; qp = QParams(torch.tensor(0.1), torch.tensor(3), 0, 255); "
             "p = b.prepack_linear(w, QParams(torch.tensor(0.02), torch.tensor(0), -128, 127), None); "

@@ -20,9 +20,9 @@ from kernel_contract_cases import assert_export_matches_eager, loop_threads
 from torch import nn
 
 from fxquant import native
-from fxquant.cpu import has_vnni
 from fxquant.kernels.base import ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.native.isa import has_vnni
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
 
 FBGEMM = "fbgemm" in available_backends()

@@ -149,10 +149,14 @@ def test_outputs_are_plain_integer_tensors() -> None:
     assert out.dtype == torch.uint8 and not out.is_quantized
 
 
-@pytest.mark.parametrize("module", ["reference.py", "plain_int8.py", "onednn.py"])
+_KERNELS = Path(reference_module.__file__).parent
+_PLAIN = ["reference.py", "plain_int8.py", *sorted(f"onednn/{p.name}" for p in (_KERNELS / "onednn").glob("*.py"))]
+
+
+@pytest.mark.parametrize("module", _PLAIN)
 def test_plain_backends_never_touch_quantized_dtypes(module: str) -> None:
-    source = (Path(reference_module.__file__).parent / module).read_text()
+    source = (_KERNELS / module).read_text()
     # quantized::max_pool2d is the exception: it takes plain uint8 (Inductor's PT2E lowering calls it so), no dtype
     source = source.replace("torch.ops.quantized.max_pool2d", "")
     for name in ("quint8", "qint8", "qint32", "quantize_per_tensor", "backends.quantized", "torch.ops.quantized"):
-        assert name not in source, f"{module} uses {name}; only quantized_engine.py may"
+        assert name not in source, f"{module} uses {name}; only kernels/torch_engines/ may"

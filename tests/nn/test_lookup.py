@@ -79,7 +79,7 @@ def test_every_layout_keeps_its_shape_qparams_and_values(name: str, shape: tuple
 
 
 def test_the_c_loop_covers_every_byte_and_a_ragged_tail() -> None:
-    from fxquant import _native  # the loop itself, whichever path the fixture selects for the modules
+    from fxquant.native import _native  # the loop itself, whichever path the fixture selects for the modules
 
     table = torch.randperm(256, generator=torch.Generator().manual_seed(0)).to(torch.uint8)
     for n in (1, 63, 64, 65, 256 * 3 + 17):

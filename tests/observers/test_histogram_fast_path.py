@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxquant import scratch
 from fxquant.errors import CalibrationError
+from fxquant.native import scratch
 from fxquant.observers import HistogramObserver, HistogramObserverBase, Observer, counting
 from fxquant.observers.hist_math import grid_for
 

@@ -1,4 +1,5 @@
-"""The C counting loop (``fxquant/_native.c``) against exact float64 bins and the pure-torch path, edge cases included.
+"""The C counting loop (``fxquant/native/_native.c``) against exact float64 bins and the pure-torch path, edge cases
+included.
 
 The torch path is the one a machine without a C compiler runs: the histogram observers' results must not depend on
 which one counted.
@@ -18,7 +19,7 @@ from fxquant.observers.hist_math import grid_for
 
 def test_the_c_loop_is_built() -> None:
     assert native.loops is not None, (
-        "fxquant._native was not built: reinstall with a C compiler (pip install -e .) for ~3x faster histograms")
+        "fxquant.native._native was not built: reinstall with a C compiler (pip install -e .) for faster histograms")
 
 
 def both_paths(x: torch.Tensor, grid: counting.Grid, monkeypatch: pytest.MonkeyPatch

@@ -9,14 +9,14 @@ from torch import nn
 import fxquant
 from fxquant import QuantConfig
 from fxquant.errors import ConfigError
-from fxquant.fallback import FALLBACK_KEY, FallbackResult
 from fxquant.models import accuracy, digits_loader
 from fxquant.models.digits import trained_digits_cnn
+from fxquant.tuning.budget import FALLBACK_KEY, FallbackResult
 
 
 @pytest.fixture(autouse=True)
 def _short_latency(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("fxquant.fallback.LATENCY_BUDGET_S", 0.02)
+    monkeypatch.setattr("fxquant.tuning.budget.LATENCY_BUDGET_S", 0.02)
 
 
 class MLP(nn.Module):

@@ -14,8 +14,8 @@ from strategies import quantized_linear
 from torch import nn
 
 import fxquant
-from fxquant.cpu import has_vnni
 from fxquant.kernels.registry import available_backends
+from fxquant.native.isa import has_vnni
 from fxquant.testing import simulate
 
 SEVEN_BITS = [b for b in ("fbgemm", "onednn") if b in available_backends()]

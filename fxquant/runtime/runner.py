@@ -5,7 +5,7 @@ The generated ``forward`` reaches every layer through nested ``getattr`` calls o
 kernels that take 5-50 us at batch 1. :class:`GraphRunner` walks the same graph from a list made once: each node's
 callable and argument slots resolved, each value dropped after its last reader (as the generated code does), and
 layers called through ``forward`` directly; consecutive onednn layers are one step, replayed as recorded primitive
-calls (:mod:`fxquant.segments`). MobileNetV2 at batch 1 on one thread, onednn, the two alternating in one process:
+calls (:mod:`fxquant.runtime.replay`). MobileNetV2 at batch 1 on one thread, onednn, the two alternating in one process:
 4.0-4.1 against 4.4-4.5 ms a call with the walk alone, 2.6-2.7 against 3.6-3.7 ms with the replayed runs (a
 3-layer MLP on fbgemm: no difference, 0.349 against 0.345 ms).
 
@@ -28,15 +28,12 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 from torch.nn.modules import module as module_globals
 
-from fxquant import segments
+from fxquant.runtime import replay
+from fxquant.runtime.step import Step
 from fxquant.state import STATE_KEY
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
-
-# one step: (slot of its value, kind, target, argument slots or None, args, kwargs, slots freed after it)
-_Step = tuple[int, str, Any, tuple[int, ...] | None, tuple[Any, ...], dict[str, Any], tuple[int, ...]]
-
 
 def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
@@ -67,7 +64,7 @@ class GraphRunner:
         for used, user in last_use.items():
             freed.setdefault(user, []).append(slot[used])
         placeholders: list[int] = []
-        steps: list[_Step] = []
+        steps: list[Step] = []
         parameters = []
         output: Any = None
         position: dict[fx.Node, int] = {}
@@ -89,10 +86,10 @@ class GraphRunner:
             # through the ``_modules`` dicts: no ``nn.Module.__getattr__`` per level
             target = tuple(node.target.split(".")) if node.op in ("call_module", "get_attr") else node.target
             direct = all(isinstance(arg, fx.Node) for arg in node.args) and not node.kwargs
-            steps.append((slot[node], node.op, target, tuple(slot[arg] for arg in node.args) if direct else None,
-                          _slotted(node.args, slot), _slotted(node.kwargs, slot), tuple(freed.get(node, ()))))
+            steps.append(Step(slot[node], node.op, target, tuple(slot[arg] for arg in node.args) if direct else None,
+                              _slotted(node.args, slot), _slotted(node.kwargs, slot), tuple(freed.get(node, ()))))
         last_read = {slot[used]: position[user] for used, user in last_use.items() if user in position}
-        grouped = segments.group(steps, gm, last_read, _run_layer)  # oneDNN layers replayed as one step
+        grouped = replay.group(steps, gm, last_read, _run_layer)  # oneDNN layers replayed as one step
         return _Plan(gm.code, len(nodes), tuple(placeholders), tuple(grouped), output, inspect.Signature(parameters))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -109,7 +106,7 @@ class GraphRunner:
             env[index] = value
         plain = not (torch._C._get_tracing_state() or _any_global_hooks())
         for index, op, target, direct, node_args, node_kwargs, freed in plan.steps:
-            if op == "run":  # consecutive oneDNN layers (fxquant.segments)
+            if op == "run":  # consecutive oneDNN layers (fxquant.runtime.replay)
                 target(env, self.gm, plain, _hooked)
                 for dead in freed:
                     env[dead] = None
@@ -129,7 +126,7 @@ class _Plan(NamedTuple):
     code: str  # the generated code this plan was made with (``recompile`` makes a new string)
     slots: int
     placeholders: tuple[int, ...]
-    steps: tuple[_Step, ...]
+    steps: tuple[Step, ...]
     output: Any
     signature: inspect.Signature
 

@@ -20,8 +20,8 @@ from torch import fx, nn
 
 from fxquant.api import apply_statistics
 from fxquant.calibration.adapters import forward_parameters, to_call_args
-from fxquant.islands import prepared_islands
-from fxquant.meta import LAYER_SETTINGS
+from fxquant.passes.islands import prepared_islands
+from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.report.metrics import energy_ratio_db
 from fxquant.state import quant_state
 

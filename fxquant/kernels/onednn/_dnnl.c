@@ -7,7 +7,7 @@ at batch 1. Here all of that is built once (``Primitive(...)``) and a call sets 
 The library is not linked: ``load(path)`` dlopens the libdnnl.so.3 of the ``onednn-cpu-gomp`` wheel and resolves the
 functions below, so fxquant builds and runs without it (the onednn backend then calls the torch ops). That library
 needs ``libgomp.so.1``, the soname of torch's own OpenMP runtime: loaded after torch, both share one thread pool and
-``torch.set_num_threads`` governs oneDNN's threads too (fxquant/kernels/onednn_direct.py checks).
+``torch.set_num_threads`` governs oneDNN's threads too (fxquant/kernels/onednn/direct.py checks).
 
 The declarations are oneDNN's v3 C API (dnnl.h, Apache-2.0), reduced to what is used; the enum values are the same
 in oneDNN 3.2 and 3.12 (checked against both headers) and the v3 ABI is stable within the major version.
@@ -517,7 +517,7 @@ static PyGetSetDef Primitive_getset[] = {
 
 static PyTypeObject PrimitiveType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "fxquant._dnnl.Primitive",
+    .tp_name = "fxquant.kernels.onednn._dnnl.Primitive",
     .tp_basicsize = sizeof(Primitive),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A oneDNN int8 convolution or matmul (a Linear), built for one input shape.",

@@ -1,8 +1,8 @@
-"""Runs of oneDNN layers replayed as one recorded list of primitive calls (used by :mod:`fxquant.runner`).
+"""Runs of oneDNN layers replayed as one recorded list of primitive calls (used by :mod:`fxquant.runtime.runner`).
 
 At batch 1 a converted MobileNetV2's 52 conv layers spend ~2.1 ms in oneDNN and ~1 ms around it: per layer a module
 call, the bound-call lookup, a fresh output tensor from the allocator at a new address. A run of consecutive
-Linear/Conv layers on the onednn backend (primitives fxquant builds itself, :mod:`fxquant.kernels.onednn_direct`)
+Linear/Conv layers on the onednn backend (primitives fxquant builds itself, :mod:`fxquant.kernels.onednn.direct`)
 is recorded on its first call for each input layout and thread count: which primitive each layer executed, reading
 and writing which value. Later calls execute those primitives on those values' addresses and nothing else. Values
 that stay inside the run live in one buffer kept between calls, in slots shared by values whose lifetimes do not
@@ -30,15 +30,14 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx, nn
 
-from fxquant.kernels import onednn_direct
+from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.nn.quantized import _QuantizedWeighted
+from fxquant.runtime.step import Step
 
 ARENA_LIMIT = 64 << 20
 RECORDINGS_PER_RUN = 16  # input layouts x thread counts kept per run of layers (one each, typically)
 _ALIGN = 64
 
-# the runner's step: (slot of its value, kind, module path, argument slots, args, kwargs, slots freed after it)
-Step = tuple[int, str, Any, Any, tuple[Any, ...], dict[str, Any], tuple[int, ...]]
 RunLayer = Callable[[nn.Module, list[Any], bool], Any]  # a layer's ordinary call, as the runner makes it
 
 
@@ -46,6 +45,11 @@ def replayable(module: nn.Module) -> bool:
     """Whether ``module`` is a layer a run may hold: a Linear/Conv on the onednn backend with fxquant's own
     primitives."""
     return isinstance(module, _QuantizedWeighted) and module.backend.name == "onednn" and onednn_direct.available()
+
+
+def _reads(step: Step) -> tuple[int, ...]:
+    assert step.inputs is not None, "group() puts only steps whose arguments are all values into a run"
+    return step.inputs
 
 
 def _module(gm: nn.Module, path: tuple[str, ...]) -> nn.Module:
@@ -87,17 +91,18 @@ class Run:
 
     def __init__(self, steps: Sequence[Step], escaping: frozenset[int], run_layer: RunLayer) -> None:
         self.steps = tuple(steps)
+        self.reads = tuple(_reads(step) for step in self.steps)  # each layer's argument slots
         self.escaping = escaping
         self.run_layer = run_layer
-        produced = {step[0] for step in self.steps}
+        produced = {step.slot for step in self.steps}
         inputs: dict[int, None] = {}
-        for step in self.steps:
-            inputs.update((slot, None) for slot in step[3] if slot not in produced)
+        for reads in self.reads:
+            inputs.update((slot, None) for slot in reads if slot not in produced)
         self.inputs = tuple(inputs)
         self.recordings: dict[tuple[Any, ...], _Recording | None] = {}
 
     def __call__(self, env: list[Any], gm: nn.Module, plain: bool, hooked: Callable[[nn.Module], bool]) -> None:
-        modules = [_module(gm, step[2]) for step in self.steps]
+        modules = [_module(gm, step.target) for step in self.steps]
         if not plain or any(map(hooked, modules)):
             self._one_by_one(env, modules, plain)
             return
@@ -115,9 +120,9 @@ class Run:
             _replay(recording, env)
 
     def _one_by_one(self, env: list[Any], modules: list[nn.Module], plain: bool) -> None:
-        for module, step in zip(modules, self.steps, strict=True):
-            env[step[0]] = self.run_layer(module, [env[i] for i in step[3]], plain)
-            for dead in step[6]:
+        for module, step, reads in zip(modules, self.steps, self.reads, strict=True):
+            env[step.slot] = self.run_layer(module, [env[i] for i in reads], plain)
+            for dead in step.freed:
                 env[dead] = None
 
     def _record(self, env: list[Any], modules: list[nn.Module]) -> _Recording | None:
@@ -126,11 +131,11 @@ class Run:
         values: dict[int, Any] = {slot: env[slot] for slot in self.inputs}
         executed: list[tuple[list[onednn_direct.Record], list[Any], Any]] = []
         with onednn_direct.recording() as log:
-            for module, step in zip(modules, self.steps, strict=True):
-                args = [values[i] for i in step[3]]
+            for module, step, reads in zip(modules, self.steps, self.reads, strict=True):
+                args = [values[i] for i in reads]
                 start = len(log)
-                values[step[0]] = self.run_layer(module, args, True)
-                executed.append((log[start:], args, values[step[0]]))
+                values[step.slot] = self.run_layer(module, args, True)
+                executed.append((log[start:], args, values[step.slot]))
         for slot in self.escaping:
             env[slot] = values[slot]
         return self._compile(modules, executed)
@@ -150,14 +155,14 @@ class Run:
             if len(args) == 2:  # conv + add: the sum is written into the accumulator
                 if destination != args[1].data_ptr():
                     return None
-                buffer = buffer_of[step[3][1]]
+                buffer = buffer_of[self.reads[position][1]]
             elif len(args) == 1:
                 buffer = len(self.inputs) + len(made)
                 made[buffer] = (position, out)
             else:
                 return None
-            buffer_of[step[0]] = buffer
-            calls.append((run, buffer_of[step[3][0]], buffer))
+            buffer_of[step.slot] = buffer
+            calls.append((run, buffer_of[self.reads[position][0]], buffer))
         buffers = self._buffers(buffer_of, made)
         arena, arena_bytes = _pack({b: buf for b, buf in buffers.items() if not buf.escapes})
         if arena_bytes > ARENA_LIMIT:
@@ -174,8 +179,8 @@ class Run:
         it (a sum writes a new value into its accumulator's buffer), or escaping if a value in it is read later."""
         last = {b: position for b, (position, _) in made.items()}
         escapes: set[int] = set()
-        for position, step in enumerate(self.steps):
-            for slot in step[3]:
+        for position, reads in enumerate(self.reads):
+            for slot in reads:
                 last[buffer_of[slot]] = max(last.get(buffer_of[slot], -1), position)
         for slot in self.escaping:
             escapes.add(buffer_of[slot])
@@ -241,24 +246,24 @@ def _block(recording: _Recording) -> tuple[torch.Tensor, list[int]]:
     return block, addresses
 
 
-def group(steps: list[Step], gm: fx.GraphModule, last_read: dict[int, int], run_layer: RunLayer) -> list[Any]:
+def group(steps: list[Step], gm: fx.GraphModule, last_read: dict[int, int], run_layer: RunLayer) -> list[Step]:
     """``steps`` with every stretch of two or more consecutive onednn layer steps replaced by one ``Run`` step;
     ``last_read``: per slot, the position of the last step reading it (past the end for the graph's output)."""
-    grouped: list[Any] = []
+    grouped: list[Step] = []
     stretch: list[Step] = []
 
     def close(end: int) -> None:
         if len(stretch) < 2:
             grouped.extend(stretch)
         else:
-            produced = {step[0] for step in stretch}
+            produced = {step.slot for step in stretch}
             escaping = frozenset(slot for slot in produced if last_read.get(slot, -1) >= end)
-            freed = tuple(slot for step in stretch for slot in step[6] if slot not in produced)
-            grouped.append((-1, "run", Run(stretch, escaping, run_layer), None, (), {}, freed))
+            freed = tuple(slot for step in stretch for slot in step.freed if slot not in produced)
+            grouped.append(Step(-1, "run", Run(stretch, escaping, run_layer), None, (), {}, freed))
         stretch.clear()
 
     for position, step in enumerate(steps):
-        if step[1] == "call_module" and step[3] is not None and replayable(_module(gm, step[2])):
+        if step.op == "call_module" and step.inputs is not None and replayable(_module(gm, step.target)):
             stretch.append(step)
         else:
             close(position)

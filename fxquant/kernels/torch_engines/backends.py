@@ -4,7 +4,7 @@ This is the only module of fxquant that touches the quantized dtypes (``quint8``
 ``torch.backends.quantized.engine``. torch 2.13 deprecates those dtypes (pytorch issue 184982); users of these two
 backends are told once, and torch's per-call warning is silenced. The engine is switched only while weights are
 prepacked (a packed weight remembers its engine), then restored. Transposed convs go around a broken fbgemm kernel,
-as :mod:`fxquant.kernels.fbgemm_transposed` explains.
+as :mod:`fxquant.kernels.torch_engines.transposed` explains.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from fxquant import native
-from fxquant.cpu import has_vnni
-from fxquant.kernels.amx_conv import NativeConv, native_conv
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight, same_grid
-from fxquant.kernels.fbgemm_transposed import (
+from fxquant.kernels.registry import register_backend
+from fxquant.kernels.torch_engines.amx_conv import NativeConv, native_conv
+from fxquant.kernels.torch_engines.transposed import (
     Transposed,
     as_patches,
     depth_to_space,
@@ -34,7 +34,7 @@ from fxquant.kernels.fbgemm_transposed import (
     requantize_factors,
     with_zero_channel,
 )
-from fxquant.kernels.registry import register_backend
+from fxquant.native.isa import has_vnni
 from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 
 log = logging.getLogger(__name__)

@@ -5,13 +5,13 @@ of ``i * stride`` and mixes the images of a batch (measured 100+ steps off on mo
 
 * a transposed conv whose kernel equals its stride writes one separate kernel-sized patch per input position, so it
   runs as a Linear (C_in -> kernel * C_out) then depth-to-space (U-Net upsamplers). On fbgemm with AVX512-VNNI the
-  C loop ``patches_u8`` (``fxquant/_native.c``) computes exactly what fbgemm's Linear computes and writes each patch
-  in place: no depth-to-space copy, 3-6x faster than Linear plus copy at U-Net's shapes (docs/amx.md);
+  C loop ``patches_u8`` (``fxquant/native/_native.c``) computes exactly what fbgemm's Linear computes and writes each
+  patch in place: no depth-to-space copy, 3-6x faster than Linear plus copy at U-Net's shapes (docs/amx.md);
 * any other conv that would take the direct path gets one zero output channel more, which steers fbgemm to its
   correct im2col kernel; the extra channel is dropped from the output.
 
 This module decides the path and lays out weights and outputs; the quantized kernels themselves are called only in
-:mod:`fxquant.kernels.quantized_engine`, the one module that touches torch's quantized dtypes.
+:mod:`fxquant.kernels.torch_engines.backends`, the one module that touches torch's quantized dtypes.
 """
 
 from __future__ import annotations

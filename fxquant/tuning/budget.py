@@ -3,7 +3,7 @@
 A trial-and-error tuner re-quantizes and re-evaluates blindly; this search spends its trials where they pay off:
 
 1. calibrate once; trial 0 is everything INT8 (done if it already meets the budget);
-2. rank layers by isolated SQNR (:mod:`fxquant.sensitivity`), the error each INT8 layer adds by itself;
+2. rank layers by isolated SQNR (:mod:`fxquant.tuning.sensitivity`), the error each INT8 layer adds by itself;
 3. confirm the ranking with leave-one-out trials on the top candidates (each keeps one layer float) and measure
    what each one really buys on the user's metric;
 4. greedily keep layers float in order of confirmed gain until the budget is met, then try dropping each of them
@@ -35,7 +35,7 @@ from fxquant.calibration.adapters import iterate_batches
 from fxquant.config import QuantConfig
 from fxquant.errors import ConfigError
 from fxquant.report.latency import measure_latency
-from fxquant.sensitivity import layer_sqnr
+from fxquant.tuning.sensitivity import layer_sqnr
 
 log = logging.getLogger(__name__)
 

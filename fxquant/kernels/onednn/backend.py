@@ -1,7 +1,7 @@
 """oneDNN int8 kernels (``torch.ops.onednn``, the ops torch.compile's x86 inductor lowers to) on plain tensors.
 
 Linear/Conv layers run on oneDNN primitives fxquant builds once per input shape
-(:mod:`fxquant.kernels.onednn_direct`) where the oneDNN library is installed, and on these ops otherwise (and for the
+(:mod:`fxquant.kernels.onednn.direct`) where the oneDNN library is installed, and on these ops otherwise (and for the
 shapes below that need workarounds); both give the same integers. Activations are plain ``torch.uint8`` tensors and
 weights plain ``torch.int8``: no quantized dtype, no global engine.
 Conventions, checked against the op schemas of torch 2.13 and numerically against the reference backend:
@@ -45,11 +45,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from fxquant.cpu import has_vnni
-from fxquant.kernels import onednn_direct
 from fxquant.kernels.base import ConvAddQParams, ConvSpec, PackedWeight
+from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.plain_int8 import PlainInt8Backend, weight_scale
 from fxquant.kernels.registry import register_backend
+from fxquant.native.isa import has_vnni
 from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 
 _OPS = ("qlinear_prepack", "qlinear_pointwise", "qconv_prepack", "qconv_pointwise")

@@ -1,4 +1,4 @@
-/* fxquant._native: five hot loops in C, each with a torch fallback that gives the same results.
+/* fxquant.native._native: five hot loops in C, each with a torch fallback that gives the same results.
  *
  * scan_f32: the histogram observers' counting (see fxquant/observers/counting.py for the contract).
  * quantize_f32: float32 -> uint8/int8 activations (fxquant/kernels/plain_int8.py), optionally NCHW -> NHWC.
@@ -23,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* The instruction sets the loops may use, capped by FXQUANT_ISA (fxquant.cpu; set once by fxquant.native through
+/* The instruction sets the loops may use, capped by FXQUANT_ISA (fxquant.native.isa; set once by fxquant.native through
  * set_isa_cap): 0 AVX2, 1 AVX512, 2 AVX512-VNNI, 3 AMX. A loop runs where both the cap and the CPU allow it. */
 enum { ISA_AVX2, ISA_AVX512, ISA_VNNI, ISA_AMX };
 static int isa_cap = ISA_AMX;
@@ -1090,6 +1090,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fxquant._native", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "fxquant.native._native", NULL, -1, methods};
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }

@@ -1,4 +1,5 @@
-"""oneDNN int8 primitives called directly (``fxquant/_dnnl.c``): built once per layer, input shape and thread count.
+"""oneDNN int8 primitives called directly (``fxquant/kernels/onednn/_dnnl.c``): built once per layer, input shape and
+thread count.
 
 torch 2.13's plain-tensor ops rebuild oneDNN's primitive descriptor, scale and zero-point memories and scratchpad on
 every call, ~50-100 us around kernels that take ~10-100 us at batch 1 (one thread: a 16->16 3x3 conv on 8x8 runs in
@@ -32,7 +33,7 @@ from fxquant.kernels.base import ConvSpec
 
 _dnnl: ModuleType | None
 try:
-    from fxquant import _dnnl
+    from fxquant.kernels.onednn import _dnnl
 except ImportError:  # built without a C compiler
     _dnnl = None
 
@@ -49,7 +50,7 @@ _recorder = threading.local()
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[Record]]:
-    """Every primitive this thread executes inside the block, in order (:mod:`fxquant.segments` replays them)."""
+    """Every primitive this thread executes inside the block, in order (:mod:`fxquant.runtime.replay` replays them)."""
     log: list[Record] = []
     _recorder.log = log
     try:

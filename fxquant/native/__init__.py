@@ -1,4 +1,4 @@
-"""The optional C loops (``fxquant/_native.c``), or None when fxquant was installed without a C compiler or the
+"""The optional C loops (``fxquant/native/_native.c``), or None when fxquant was installed without a C compiler or the
 environment sets ``FXQUANT_NATIVE=0``.
 
 Every caller keeps a torch path with the same results: the loops are speed, never semantics.
@@ -13,13 +13,13 @@ from types import ModuleType
 
 import torch
 
-from fxquant.cpu import isa_cap
+from fxquant.native.isa import isa_cap
 
 DISABLE_ENV = "FXQUANT_NATIVE"  # "0": the torch (and engine) paths everywhere, e.g. to compare or to debug
 
 loops: ModuleType | None
 try:
-    from fxquant import _native as loops
+    from fxquant.native import _native as loops
 except ImportError:  # no compiler at install time: the torch paths
     loops = None
 if os.environ.get(DISABLE_ENV) == "0":

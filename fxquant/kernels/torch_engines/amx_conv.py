@@ -1,4 +1,4 @@
-"""fbgemm's and qnnpack's convs and Linears on AMX tiles: the C loop ``conv_u8`` (``fxquant/_native.c``),
+"""fbgemm's and qnnpack's convs and Linears on AMX tiles: the C loop ``conv_u8`` (``fxquant/native/_native.c``),
 bit-identical to the engine's own kernel.
 
 fbgemm builds an im2col copy of the input on every call and runs convs with few channels slowly on this kind of CPU
@@ -14,7 +14,7 @@ Taken for Linears (as 1x1 convs over their rows) and 1-, 2- and 3-d convs with g
 per-channel weights with zero point 0 (fxquant's default), at sizes where it was measured faster
 (:meth:`NativeConv.takes`); everything else, and CPUs without AMX, keeps the engine's kernels. This module lays out
 weights and requantization constants; the quantized tensors themselves are made in
-:mod:`fxquant.kernels.quantized_engine`.
+:mod:`fxquant.kernels.torch_engines.backends`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fxquant import native
-from fxquant.cpu import has_amx_int8, has_vnni
 from fxquant.kernels.base import ConvSpec
+from fxquant.native.isa import has_amx_int8, has_vnni
 from fxquant.qparams import QParams
 
 Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int32 bias, float bias, float multiplier per channel

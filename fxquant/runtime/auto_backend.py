@@ -25,11 +25,11 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
-from fxquant import runner
-from fxquant.cpu import cpu_model
 from fxquant.errors import InputError
 from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.native.isa import cpu_model
 from fxquant.nn.quantized import _QuantizedWeighted
+from fxquant.runtime import runner
 
 log = logging.getLogger(__name__)
 FAMILIES = (("fbgemm", "qnnpack"), ("onednn",))

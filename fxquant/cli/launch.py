@@ -4,7 +4,7 @@ Every rank prepares the model, calibrates its shard of the data (``index % world
 across ranks; rank 0 writes the merged statistics as a calibration checkpoint, which
 :func:`fxquant.calibration.load_checkpoint` restores into a model prepared the same way. Example (loopback only)::
 
-    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 -m fxquant.calibration.launch \\
+    torchrun --nproc_per_node 2 --master_addr 127.0.0.1 --master_port 29511 -m fxquant.cli.launch \\
         --model fxquant.models:digits_cnn --example-inputs 1x1x8x8 --data mypkg.data:batches --batches 64 \\
         -o stats.pt
 
@@ -30,7 +30,7 @@ from fxquant.errors import FxQuantError, InputError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="torchrun ... -m fxquant.calibration.launch",
+    parser = argparse.ArgumentParser(prog="torchrun ... -m fxquant.cli.launch",
                                      description="Distributed calibration: each rank calibrates its shard, then "
                                                  "observers are merged; rank 0 writes the merged statistics.")
     parser.add_argument("--model", required=True, metavar="PKG.MODULE:FACTORY")
@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(text)
         return 0
     except FxQuantError as exc:
-        print(f"fxquant.calibration.launch (rank {dist.get_rank()}): error: {exc}", file=sys.stderr)
+        print(f"fxquant.cli.launch (rank {dist.get_rank()}): error: {exc}", file=sys.stderr)
         return 2
     finally:
         dist.destroy_process_group()

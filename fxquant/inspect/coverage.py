@@ -6,11 +6,11 @@ from dataclasses import asdict, dataclass
 
 from torch import fx, nn
 
-from fxquant.islands import WRAPPED, SharedQuantize
-from fxquant.meta import LAYER_SETTINGS
 from fxquant.nn.fused import COMPUTE_TYPES, Fused
 from fxquant.nn.quantized import DeQuantize, Quantize, _QuantizedWeighted
 from fxquant.observers import Observer
+from fxquant.passes.islands import WRAPPED, SharedQuantize
+from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.state import STATE_KEY, QuantState, quant_state
 
 
