@@ -69,7 +69,7 @@ def _has_functional_layers(model: nn.Module) -> bool:
     return any(p.dim() >= 2 for p in model.parameters())
 
 
-def _check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
+def check_example_inputs(example_inputs: Any) -> tuple[Any, ...]:
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
     if not isinstance(example_inputs, (tuple, list)):
@@ -117,7 +117,7 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
     """
     config = config or QuantConfig()
     _check_model(model)
-    example_inputs = _check_example_inputs(example_inputs)
+    example_inputs = check_example_inputs(example_inputs)
     options: dict[str, Any] = dict(leaf_modules=config.leaf_modules, concrete_args=concrete_args,
                                    tracer_class=tracer_class)
     wrapped, breaks = False, tuple[GraphBreak, ...]()
@@ -244,42 +244,13 @@ def _convert_auto(final: fx.GraphModule, state: QuantState, example_inputs: Any
 
     if example_inputs is None:
         return convert_auto(final, lower, tuple(spec.make() for spec in state.example_inputs))
-    example = _check_example_inputs(example_inputs)
+    example = check_example_inputs(example_inputs)
     try:
         return convert_auto(final, lower, example)
     except (RuntimeError, TypeError, ValueError, IndexError) as error:
         raise InputError(f"convert(backend='auto', example_inputs=...): the model does not run on "
                          f"{_describe(example)} ({type(error).__name__}: {str(error).splitlines()[0]}); pass inputs "
                          "shaped like prepare()'s example_inputs, with your deployment batch size") from None
-
-
-def quantize(model: nn.Module, example_inputs: Any, data: Iterable[Any], config: QuantConfig | None = None, *,
-             num_batches: int | None = None, progress: bool = True,
-             eval_fn: Callable[[nn.Module], float] | None = None, max_accuracy_drop: float | None = None,
-             max_trials: int = 16) -> fx.GraphModule:
-    """``prepare`` + ``calibrate`` + ``convert`` in one call. Example::
-
-        qmodel = fxquant.quantize(model.eval(), (x,), loader, num_batches=32)
-
-    With ``eval_fn`` (model -> metric, higher is better) and ``max_accuracy_drop`` (in metric units) it keeps the
-    fewest layers float that bring the drop within the budget, in at most ``max_trials`` conversions, and returns
-    the best model found; ``qmodel.meta["fxquant_fallback"]`` holds every trial (see :mod:`fxquant.tuning.budget`)::
-
-        qmodel = fxquant.quantize(model, (x,), loader, eval_fn=top1, max_accuracy_drop=0.005)
-    """
-    if eval_fn is not None or max_accuracy_drop is not None:
-        from fxquant.tuning.budget import quantize_within_budget  # lazy: the search is built on this module
-
-        if eval_fn is None or max_accuracy_drop is None:
-            raise ConfigError("the accuracy-budget fallback needs both eval_fn (model -> metric, higher is better) "
-                              "and max_accuracy_drop (in metric units)")
-
-        return quantize_within_budget(model, example_inputs, data, config, eval_fn=eval_fn,
-                                      max_accuracy_drop=max_accuracy_drop, max_trials=max_trials,
-                                      num_batches=num_batches, progress=progress)
-    prepared = prepare(model, example_inputs, config)
-    calibrate(prepared, data, num_batches=num_batches, progress=progress)
-    return convert(prepared)
 
 
 def recompute_qparams(prepared: fx.GraphModule, *, activation: str, **options: Any) -> fx.GraphModule:

@@ -2,7 +2,7 @@
 
 Each rank is a ``spawn``-ed process given the environment torchrun would give it (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``), so it runs exactly the torchrun code path
-(:func:`fxquant.cli.calibrate._rank_main`). Threads are split between the ranks unless ``OMP_NUM_THREADS`` is set.
+(:func:`fxquant.cli.calibrate_run.rank_main`). Threads are split between the ranks unless ``OMP_NUM_THREADS`` is set.
 When a rank fails, the others are stopped at once (they would otherwise wait at the next collective until
 ``--dist-timeout``) and its one-line error becomes this command's error.
 """
@@ -15,7 +15,7 @@ import os
 import sys
 from typing import Any
 
-from fxquant.cli.calibrate import _rank_main, free_port
+from fxquant.cli.calibrate_run import free_port, rank_main
 from fxquant.errors import CalibrationError, FxQuantError
 
 
@@ -73,7 +73,7 @@ def _rank_entry(rank: int, args: argparse.Namespace, env: dict[str, str], thread
         torch.set_num_threads(threads)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(message)s")
     try:
-        _rank_main(args, int(env["WORLD_SIZE"]))
+        rank_main(args, int(env["WORLD_SIZE"]))
     except FxQuantError as exc:
         errors.put((rank, " ".join(line.strip() for line in str(exc).splitlines() if line.strip())))
         sys.exit(2)

@@ -31,7 +31,6 @@ import torch
 
 from fxquant.observers.hist_math import fold_abs
 from fxquant.observers.histogram import HistogramObserverBase
-from fxquant.observers.registry import register_observer
 
 _ONE_SIDED_LEVELS = 256
 _TWO_SIDED_LEVELS = 128
@@ -101,13 +100,13 @@ def best_threshold(counts: torch.Tensor, levels: int) -> int:
     return int(thresholds[minima[-1]])
 
 
-@register_observer("entropy")
 class EntropyObserver(HistogramObserverBase):
     """Threshold minimising the KL divergence between the data and its quantized version (TensorRT's method).
 
     Options: ``bins`` (default 2048). The threshold is a whole number of ``|x|`` bins; the returned range is
     ``[0, T]``, ``[-T, 0]`` or ``[-T, T]`` intersected with the observed range (levels past the data are wasted).
     """
+    name = "entropy"
 
     def range(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.has_data:

@@ -34,7 +34,6 @@ from fxquant.errors import ConfigError
 from fxquant.observers.base import Observer
 from fxquant.observers.counting import count, count_into, dense_flat, scan
 from fxquant.observers.hist_math import Histogram, best_range, grid_for, quantile, rebin
-from fxquant.observers.registry import register_observer
 
 MIN_BINS = 16
 SAMPLE_BLOCK = 2048  # values per sampled run: long enough for the C loop to run at full speed on each
@@ -199,7 +198,6 @@ def sample_stride(runs: int, budget: int) -> int:
     return stride
 
 
-@register_observer("histogram")
 class HistogramObserver(HistogramObserverBase):
     """Range minimising the L2 (squared) quantization error over the histogram, like torch.ao's HistogramObserver.
 
@@ -210,6 +208,7 @@ class HistogramObserver(HistogramObserverBase):
     The untrimmed pair is the exact observed ``[min, max]``, so the choice is never worse than ``minmax`` under the
     histogram's error model. Options: ``bins`` (default 2048).
     """
+    name = "histogram"
 
     def range(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.has_data:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from fxquant.observers.base import Observer
-from fxquant.observers.registry import register_observer
 
 
-@register_observer("minmax")
 class MinMaxObserver(Observer):
     """Range = [min, max] of everything seen. Fast and exact, but one outlier stretches the whole range."""
+    name = "minmax"

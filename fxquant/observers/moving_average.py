@@ -8,10 +8,8 @@ import torch
 
 from fxquant.errors import ConfigError
 from fxquant.observers.base import Observer
-from fxquant.observers.registry import register_observer
 
 
-@register_observer("moving_average")
 class MovingAverageObserver(Observer):
     """Range = EMA of per-batch min/max: a rare extreme batch moves the range by ``averaging_constant`` only.
 
@@ -28,6 +26,7 @@ class MovingAverageObserver(Observer):
         obs = MovingAverageObserver(averaging_constant=0.1)
         obs(torch.randn(32, 10))
     """
+    name = "moving_average"
 
     # Buffers, declared for type checkers (nn.Module.__getattr__ is typed Tensor | Module).
     ema_min: torch.Tensor

@@ -6,13 +6,11 @@ import torch
 
 from fxquant.observers.hist_math import best_range
 from fxquant.observers.histogram import HistogramObserverBase
-from fxquant.observers.registry import register_observer
 
 # Candidate fractions of the observed range: 1%, 2%, ..., 100% (100% is minmax, so mse never loses to it).
 _FRACTIONS = torch.arange(1, 101, dtype=torch.float64) / 100.0
 
 
-@register_observer("mse")
 class MseObserver(HistogramObserverBase):
     """Searches clipping ranges that are fractions of the observed ``[min, max]``, scored on the stored histogram.
 
@@ -21,6 +19,7 @@ class MseObserver(HistogramObserverBase):
     squared error of fake quantization (rounding inside the range, clipping outside), see
     :func:`~fxquant.observers.hist_math.expected_sq_error`. Options: ``bins`` (default 2048).
     """
+    name = "mse"
 
     def range(self) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.has_data:

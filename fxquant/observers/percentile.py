@@ -9,10 +9,8 @@ import torch
 from fxquant.errors import ConfigError
 from fxquant.observers.hist_math import quantile
 from fxquant.observers.histogram import HistogramObserverBase
-from fxquant.observers.registry import register_observer
 
 
-@register_observer("percentile")
 class PercentileObserver(HistogramObserverBase):
     """Range = [(100 - p)-th percentile, p-th percentile]: drops the rarest values on each side.
 
@@ -24,6 +22,7 @@ class PercentileObserver(HistogramObserverBase):
         obs = PercentileObserver(percentile=99.9)
         obs(torch.randn(1000))
     """
+    name = "percentile"
 
     def __init__(self, *, percentile: float = 99.99, **options: Any) -> None:
         super().__init__(**options)

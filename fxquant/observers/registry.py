@@ -11,10 +11,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from fxquant.errors import ConfigError
+from fxquant.observers import builtin
 from fxquant.observers.base import Observer, WeightObserver
 
-_ACTIVATION: dict[str, type[Observer]] = {}
-_WEIGHT: dict[str, type[WeightObserver]] = {}
+_ACTIVATION: dict[str, type[Observer]] = {cls.name: cls for cls in builtin.ACTIVATION}
+_WEIGHT: dict[str, type[WeightObserver]] = {cls.name: cls for cls in builtin.WEIGHT}
 
 T = TypeVar("T", bound=type)
 
@@ -36,7 +37,6 @@ def register_observer(name: str) -> Callable[[T], T]:
 
 
 def _lookup(table: dict[str, type], name: str, what: str) -> type:
-    _ensure_builtin()
     if name not in table:
         near = difflib.get_close_matches(name, list(table), n=1)
         hint = f" Did you mean {near[0]!r}?" if near else ""
@@ -53,15 +53,9 @@ def get_weight_observer(name: str) -> type[WeightObserver]:
 
 
 def activation_observer_names() -> tuple[str, ...]:
-    _ensure_builtin()
     return tuple(sorted(_ACTIVATION))
 
 
 def weight_observer_names() -> tuple[str, ...]:
-    _ensure_builtin()
     return tuple(sorted(_WEIGHT))
 
-
-def _ensure_builtin() -> None:
-    # The built-in observers register themselves when their modules are imported.
-    import fxquant.observers.builtin  # noqa: F401

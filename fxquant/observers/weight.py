@@ -5,13 +5,12 @@ from __future__ import annotations
 import torch
 
 from fxquant.observers.base import WeightObserver
-from fxquant.observers.registry import register_observer
 from fxquant.qparams import QParams, symmetric_qparams
 
 
-@register_observer("per_channel")
 class PerChannelWeightObserver(WeightObserver):
     """One scale per output channel: what conv/linear kernels support at no extra cost, and far more accurate."""
+    name = "per_channel"
 
     def qparams(self, weight: torch.Tensor, *, axis: int = 0) -> QParams:
         flat = weight.detach().transpose(0, axis).reshape(weight.shape[axis], -1)
@@ -19,9 +18,9 @@ class PerChannelWeightObserver(WeightObserver):
         return symmetric_qparams(lo, hi, axis=axis)
 
 
-@register_observer("per_tensor")
 class PerTensorWeightObserver(WeightObserver):
     """One scale for the whole weight tensor."""
+    name = "per_tensor"
 
     def qparams(self, weight: torch.Tensor, *, axis: int = 0) -> QParams:
         lo, hi = torch.aminmax(weight.detach())

@@ -10,10 +10,12 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from fxquant.report.schema import Report
 from fxquant.report.sections import Histogram, LayerReport
+
+if TYPE_CHECKING:  # the schema imports the renderers
+    from fxquant.report.schema import Report
 
 FLOAT_COLOR, INT8_COLOR, ALONE_COLOR = "#7f8c8d", "#2471a3", "#e67e22"
 MAX_HISTOGRAM_LAYERS = 12  # the most sensitive first; a 200-layer model would make the page unreadable

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import base64
 import html
+from typing import TYPE_CHECKING
 
 from fxquant.report.charts import histogram_chart, latency_chart, sqnr_chart
 from fxquant.report.markdown import fmt_bytes, fmt_change, fmt_db, fmt_isa, fmt_metric, fmt_ratio
-from fxquant.report.schema import Report
+
+if TYPE_CHECKING:  # the schema imports the renderers
+    from fxquant.report.schema import Report
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1000px;color:#222}

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from fxquant.report.schema import Report
 from fxquant.report.sections import Accuracy, LayerReport
+
+if TYPE_CHECKING:  # the schema imports the renderers
+    from fxquant.report.schema import Report
 
 _RANKED = 5  # the most sensitive layers listed under the tables
 

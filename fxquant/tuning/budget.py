@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxquant.api import _check_example_inputs, calibrate, convert, prepare
+from fxquant.api import check_example_inputs, calibrate, convert, prepare
 from fxquant.calibration.adapters import iterate_batches
 from fxquant.config import QuantConfig
 from fxquant.errors import ConfigError
@@ -244,7 +244,7 @@ def quantize_within_budget(model: nn.Module, example_inputs: Any, data: Iterable
     """
     _check(eval_fn, max_accuracy_drop, max_trials)
     config = config or QuantConfig()
-    example = _check_example_inputs(example_inputs)
+    example = check_example_inputs(example_inputs)
     stream = iterate_batches(data)
     sample = list(itertools.islice(stream, SENSITIVITY_BATCHES))
     calibration_data = data if _reiterable(data) else itertools.chain(sample, stream)
