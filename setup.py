@@ -16,6 +16,8 @@ POSIX = sys.platform != "win32"
 extensions = [Extension("fxquant.native._native", ["fxquant/native/_native.c"], optional=True,
                         libraries=["m"] if POSIX else [], extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off"])]
 if POSIX:
-    extensions.append(Extension("fxquant.kernels.onednn._dnnl", ["fxquant/kernels/onednn/_dnnl.c"], optional=True,
-                                libraries=["dl"], extra_compile_args=["-O2", "-std=gnu99"]))
+    dnnl_sources = [f"fxquant/kernels/onednn/csrc/{name}.c" for name in ("module", "loader", "primitive")]
+    extensions.append(Extension("fxquant.kernels.onednn._dnnl", dnnl_sources, optional=True, libraries=["dl"],
+                                depends=["fxquant/kernels/onednn/csrc/dnnl_api.h"],
+                                extra_compile_args=["-O2", "-std=gnu99"]))
 setup(ext_modules=extensions)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from fxquant.calibration import calibrate, observers_of
+from fxquant.calibration import observers_of
 from fxquant.calibration.memory_format import runs_channels_last
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError, ConfigError, InputError, TraceError
@@ -32,11 +32,11 @@ from fxquant.passes import (
 from fxquant.passes._graph import replace_submodule
 from fxquant.passes.islands import (
     lower_islands,
-    prepare_graph,
     prepare_islands,
     prepared_islands,
     wrap_untraceable_root,
 )
+from fxquant.passes.pipeline import prepare_graph
 from fxquant.runtime import runner
 from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
 from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state

@@ -4,6 +4,7 @@ import warnings
 
 from fxquant.tuning.budget import quantize_within_budget
 
-__all__ = ['quantize_within_budget']
+__all__ = ["quantize_within_budget"]
 
-warnings.warn("fxquant.fallback moved to fxquant.tuning.budget; import it from there", DeprecationWarning, stacklevel=2)
+warnings.warn("fxquant.fallback moved to fxquant.tuning.budget; import it from there",
+              DeprecationWarning, stacklevel=2)

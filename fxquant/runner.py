@@ -4,6 +4,7 @@ import warnings
 
 from fxquant.runtime.runner import GraphRunner, install
 
-__all__ = ['GraphRunner', 'install']
+__all__ = ["GraphRunner", "install"]
 
-warnings.warn("fxquant.runner moved to fxquant.runtime.runner; import it from there", DeprecationWarning, stacklevel=2)
+warnings.warn("fxquant.runner moved to fxquant.runtime.runner; import it from there",
+              DeprecationWarning, stacklevel=2)

@@ -4,6 +4,7 @@ import warnings
 
 from fxquant.tuning.sensitivity import layer_sqnr, quantized_layer_paths
 
-__all__ = ['layer_sqnr', 'quantized_layer_paths']
+__all__ = ["layer_sqnr", "quantized_layer_paths"]
 
-warnings.warn("fxquant.sensitivity moved to fxquant.tuning.sensitivity; import it from there", DeprecationWarning, stacklevel=2)
+warnings.warn("fxquant.sensitivity moved to fxquant.tuning.sensitivity; import it from there",
+              DeprecationWarning, stacklevel=2)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fxquant.kernels.registry import available_backends, get_backend
-from fxquant.passes.islands import SharedQuantize
+from fxquant.nn.shared_quantize import SharedQuantize
 from fxquant.qparams import affine_qparams
 
 

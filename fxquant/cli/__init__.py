@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
-from fxquant.cli import commands, results, stages
+from fxquant.cli import calibrate, commands, convert, prepare, results
 from fxquant.cli.common import printable
 from fxquant.errors import FxQuantError
 
@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Post-training INT8 quantization on CPU.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     common = _flags_parser(argparse.SUPPRESS)
-    stages.register(sub, common)
+    prepare.register(sub, common)
+    calibrate.register(sub, common)  # one process, or --distributed
+    convert.register(sub, common)  # plain, or within an accuracy budget
     results.register(sub, common)
     commands.register(sub, common)
     return parser

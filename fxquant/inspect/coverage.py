@@ -8,8 +8,9 @@ from torch import fx, nn
 
 from fxquant.nn.fused import COMPUTE_TYPES, Fused
 from fxquant.nn.quantized import DeQuantize, Quantize, _QuantizedWeighted
+from fxquant.nn.shared_quantize import SharedQuantize
 from fxquant.observers import Observer
-from fxquant.passes.islands import WRAPPED, SharedQuantize
+from fxquant.passes.islands import WRAPPED
 from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.state import STATE_KEY, QuantState, quant_state
 

@@ -4,6 +4,7 @@ import warnings
 
 from fxquant.kernels.onednn.direct import available, status
 
-__all__ = ['available', 'status']
+__all__ = ["available", "status"]
 
-warnings.warn("fxquant.kernels.onednn_direct moved to fxquant.kernels.onednn.direct; import it from there", DeprecationWarning, stacklevel=2)
+warnings.warn("fxquant.kernels.onednn_direct moved to fxquant.kernels.onednn.direct; import it from there",
+              DeprecationWarning, stacklevel=2)

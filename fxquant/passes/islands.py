@@ -6,19 +6,18 @@ main graph; its children are traced one by one, and each one that traces becomes
 single Linear/Conv layers, so every layer torch.fx can reach is quantized.
 
 Sibling islands often read one value (BERT's query, key and value Linears all read ``hidden_states``): after
-lowering, the input quantizes of siblings with equal qparams become one :class:`SharedQuantize`, which quantizes a
-value once per call of their parent block and hands the same int8 tensor to the other readers.
+lowering, the input quantizes of siblings with equal qparams become one
+:class:`~fxquant.nn.shared_quantize.SharedQuantize`, which quantizes a value once per call of their parent block and
+hands the same int8 tensor to the other readers.
 """
 
 from __future__ import annotations
 
 import inspect
-import weakref
 from collections import defaultdict
 from dataclasses import replace
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from fxquant.config import QuantConfig
@@ -26,29 +25,12 @@ from fxquant.errors import TraceError
 from fxquant.kernels.base import Backend
 from fxquant.nn.fused import COMPUTE_TYPES
 from fxquant.nn.quantized import Quantize
-from fxquant.passes import (
-    equalize_layers,
-    fold_batchnorm,
-    functional_to_modules,
-    fuse_activations,
-    insert_bias_observers,
-    insert_observers,
-    insert_smoothing_observers,
-    lower_to_int8,
-)
+from fxquant.nn.shared_quantize import SharedQuantize
 from fxquant.passes._graph import replace_submodule
-from fxquant.passes.attention import fuse_attention
+from fxquant.passes.lower import lower_to_int8
+from fxquant.passes.pipeline import prepare_graph
 from fxquant.state import STATE_KEY, QuantState, quant_state
 from fxquant.tracing import GraphBreak, trace_partially
-
-
-def prepare_graph(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> fx.GraphModule:
-    """The prepare passes on one traced graph: attention -> SDPA, functional -> modules, fold BN, fuse, cross-layer
-    equalization, observers, then the statistics observers of SmoothQuant and bias correction (each pass a no-op
-    unless its pattern appears or it is asked for)."""
-    gm = equalize_layers(fuse_activations(fold_batchnorm(functional_to_modules(fuse_attention(gm)))), config, prefix)
-    gm = insert_observers(gm, config, prefix)
-    return insert_bias_observers(insert_smoothing_observers(gm, config, prefix), config, prefix)
 
 
 def _has_compute(module: nn.Module) -> bool:
@@ -144,28 +126,6 @@ def lower_islands(gm: fx.GraphModule, backend: Backend) -> None:
         lowered.meta[STATE_KEY] = replace(quant_state(island), stage="converted", backend=backend.name)
         replace_submodule(gm, path, lowered)
     _share_input_quantizes(gm)
-
-
-class SharedQuantize(Quantize):
-    """One ``Quantize`` called by several sibling islands: while their parent block runs (it resets this at each
-    call), a second reader of the same tensor, not changed in place since (its version counter, where it has one),
-    gets the int8 tensor of the first read. Any other input is quantized afresh, so sharing is always correct."""
-
-    def __init__(self, qp: Any, backend: Backend) -> None:
-        super().__init__(qp, backend)
-        self._last: tuple[weakref.ref, int | None, torch.Tensor] | None = None
-
-    def reset(self, *_: Any) -> None:
-        self._last = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        version = None if torch.is_inference(x) else x._version
-        last = self._last
-        if last is not None and last[0]() is x and last[1] == version:
-            return last[2]
-        out = self.backend.quantize(x, self.qp)
-        self._last = (weakref.ref(x), version, out)
-        return out
 
 
 def _share_input_quantizes(gm: fx.GraphModule) -> None:

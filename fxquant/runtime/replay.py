@@ -1,12 +1,13 @@
 """Runs of oneDNN layers replayed as one recorded list of primitive calls (used by :mod:`fxquant.runtime.runner`).
 
-At batch 1 a converted MobileNetV2's 52 conv layers spend ~2.1 ms in oneDNN and ~1 ms around it: per layer a module
-call, the bound-call lookup, a fresh output tensor from the allocator at a new address. A run of consecutive
-Linear/Conv layers on the onednn backend (primitives fxquant builds itself, :mod:`fxquant.kernels.onednn.direct`)
-is recorded on its first call for each input layout and thread count: which primitive each layer executed, reading
-and writing which value. Later calls execute those primitives on those values' addresses and nothing else. Values
-that stay inside the run live in one buffer kept between calls, in slots shared by values whose lifetimes do not
-overlap (so they stay in cache); values read after the run are fresh tensors on every call, as before.
+Once each layer's kernel is a prebuilt primitive, what is left at small batches is around it: per layer a module
+call, the bound-call lookup, a fresh output tensor from the allocator at a new address (docs/backends.md "Runs of
+layers replayed" has the measurements). A run of consecutive Linear/Conv layers on the onednn backend (primitives
+fxquant builds itself, :mod:`fxquant.kernels.onednn.direct`) is recorded on its first call for each input layout
+and thread count: which primitive each layer executed, reading and writing which value. Later calls execute those
+primitives on those values' addresses and nothing else. Values that stay inside the run live in one buffer kept
+between calls, in slots shared by values whose lifetimes do not overlap (so they stay in cache); values read after
+the run are fresh tensors on every call, as before.
 
 A recording is replayed only while it still describes what the layers do; otherwise the layers run one by one:
 

@@ -1,13 +1,11 @@
 """A converted model's forward without the per-node costs of the code torch.fx generates.
 
-The generated ``forward`` reaches every layer through nested ``getattr`` calls on modules (``nn.Module.__getattr__``,
-~0.5 us each, four or five per layer of a torchvision-style net) and ``nn.Module.__call__`` (~2 us), around INT8
-kernels that take 5-50 us at batch 1. :class:`GraphRunner` walks the same graph from a list made once: each node's
-callable and argument slots resolved, each value dropped after its last reader (as the generated code does), and
-layers called through ``forward`` directly; consecutive onednn layers are one step, replayed as recorded primitive
-calls (:mod:`fxquant.runtime.replay`). MobileNetV2 at batch 1 on one thread, onednn, the two alternating in one process:
-4.0-4.1 against 4.4-4.5 ms a call with the walk alone, 2.6-2.7 against 3.6-3.7 ms with the replayed runs (a
-3-layer MLP on fbgemm: no difference, 0.349 against 0.345 ms).
+The generated ``forward`` reaches every layer through nested ``getattr`` calls on modules (``nn.Module.__getattr__``)
+and ``nn.Module.__call__``, costs of the same order as an INT8 kernel at batch 1. :class:`GraphRunner` walks the
+same graph from a list made once: each node's callable and argument slots resolved (one :class:`~fxquant.runtime.
+step.Step` per node), each value dropped after its last reader (as the generated code does), and layers called
+through ``forward`` directly; consecutive onednn layers are one step, replayed as recorded primitive calls
+(:mod:`fxquant.runtime.replay`). What each gains is measured in docs/backends.md ("The graph walk").
 
 It behaves as the generated code does, or steps aside:
 

@@ -30,7 +30,8 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxquant.api import check_example_inputs, calibrate, convert, prepare
+from fxquant.api import check_example_inputs, convert, prepare
+from fxquant.calibration import calibrate
 from fxquant.calibration.adapters import iterate_batches
 from fxquant.config import QuantConfig
 from fxquant.errors import ConfigError

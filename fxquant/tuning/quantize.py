@@ -8,7 +8,8 @@ from typing import Any
 
 from torch import fx, nn
 
-from fxquant.api import calibrate, convert, prepare
+from fxquant.api import convert, prepare
+from fxquant.calibration import calibrate
 from fxquant.config import QuantConfig
 from fxquant.errors import ConfigError
 from fxquant.tuning.budget import quantize_within_budget

@@ -1,158 +1,6 @@
-/* oneDNN int8 convolution and matmul primitives called directly, built once per layer and input shape.
+/* Primitive: one oneDNN int8 convolution or matmul, built for one input shape and run many times. */
 
-Why: torch 2.13's plain-tensor ops (onednn::qconv_pointwise, qlinear_pointwise) rebuild the primitive descriptor,
-the scale and zero-point memories and the scratchpad on every call: ~50-100 us around a kernel that takes ~10-100 us
-at batch 1. Here all of that is built once (``Primitive(...)``) and a call sets two data pointers and executes.
-
-The library is not linked: ``load(path)`` dlopens the libdnnl.so.3 of the ``onednn-cpu-gomp`` wheel and resolves the
-functions below, so fxquant builds and runs without it (the onednn backend then calls the torch ops). That library
-needs ``libgomp.so.1``, the soname of torch's own OpenMP runtime: loaded after torch, both share one thread pool and
-``torch.set_num_threads`` governs oneDNN's threads too (fxquant/kernels/onednn/direct.py checks).
-
-The declarations are oneDNN's v3 C API (dnnl.h, Apache-2.0), reduced to what is used; the enum values are the same
-in oneDNN 3.2 and 3.12 (checked against both headers) and the v3 ABI is stable within the major version.
-*/
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-#include <dlfcn.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-#define DNNL_MAX_NDIMS 12
-#define dnnl_success 0
-#define dnnl_undef_type 0
-#define dnnl_f32 3
-#define dnnl_s32 4
-#define dnnl_s8 5
-#define dnnl_u8 6
-#define dnnl_format_tag_any 1
-#define dnnl_forward_inference 96
-#define dnnl_convolution_direct 1
-#define dnnl_query_weights_md 131
-#define dnnl_query_scratchpad_md 136
-#define dnnl_scratchpad_mode_user 1
-#define dnnl_cpu 1
-#define dnnl_stream_default_flags 1
-#define DNNL_ARG_SRC 1
-#define DNNL_ARG_DST 17
-#define DNNL_ARG_WEIGHTS 33
-#define DNNL_ARG_BIAS 41
-#define DNNL_ARG_SCRATCHPAD 80
-#define DNNL_ARG_ATTR_SCALES 4096
-#define DNNL_ARG_ATTR_ZERO_POINTS 8192
-#define DNNL_MEMORY_ALLOCATE ((void *)(size_t)-1)
-
-typedef int dnnl_status_t;
-typedef void *handle_t;
-typedef const void *chandle_t;
-typedef struct { int arg; handle_t memory; } dnnl_exec_arg_t;
-typedef struct { int major, minor, patch; const char *hash; unsigned cpu_runtime, gpu_runtime; } dnnl_version_t;
-
-static struct {
-    dnnl_status_t (*engine_create)(handle_t *, int, size_t);
-    dnnl_status_t (*stream_create)(handle_t *, handle_t, unsigned);
-    dnnl_status_t (*memory_desc_create_with_strides)(handle_t *, int, const int64_t *, int, const int64_t *);
-    dnnl_status_t (*memory_desc_create_with_tag)(handle_t *, int, const int64_t *, int, int);
-    dnnl_status_t (*memory_desc_destroy)(handle_t);
-    dnnl_status_t (*memory_desc_clone)(handle_t *, chandle_t);
-    int (*memory_desc_equal)(chandle_t, chandle_t);
-    dnnl_status_t (*memory_get_data_handle)(chandle_t, void **);
-    size_t (*memory_desc_get_size)(chandle_t);
-    dnnl_status_t (*memory_create)(handle_t *, chandle_t, handle_t, void *);
-    dnnl_status_t (*memory_set_data_handle)(handle_t, void *);
-    dnnl_status_t (*memory_destroy)(handle_t);
-    dnnl_status_t (*primitive_attr_create)(handle_t *);
-    dnnl_status_t (*primitive_attr_destroy)(handle_t);
-    dnnl_status_t (*primitive_attr_set_scratchpad_mode)(handle_t, int);
-    dnnl_status_t (*primitive_attr_set_scales_mask)(handle_t, int, int);
-    dnnl_status_t (*primitive_attr_set_zero_points_mask)(handle_t, int, int);
-    dnnl_status_t (*primitive_attr_set_post_ops)(handle_t, chandle_t);
-    dnnl_status_t (*post_ops_create)(handle_t *);
-    dnnl_status_t (*post_ops_destroy)(handle_t);
-    dnnl_status_t (*post_ops_append_sum)(handle_t, float, int32_t, int);
-    dnnl_status_t (*post_ops_append_eltwise)(handle_t, int, float, float);
-    dnnl_status_t (*convolution_forward_primitive_desc_create)(handle_t *, handle_t, int, int, chandle_t, chandle_t,
-                                                              chandle_t, chandle_t, const int64_t *, const int64_t *,
-                                                              const int64_t *, const int64_t *, chandle_t);
-    dnnl_status_t (*matmul_primitive_desc_create)(handle_t *, handle_t, chandle_t, chandle_t, chandle_t, chandle_t,
-                                                 chandle_t);
-    dnnl_status_t (*reorder_primitive_desc_create)(handle_t *, chandle_t, handle_t, chandle_t, handle_t, chandle_t);
-    chandle_t (*primitive_desc_query_md)(chandle_t, int, int);
-    dnnl_status_t (*primitive_desc_destroy)(handle_t);
-    dnnl_status_t (*primitive_create)(handle_t *, chandle_t);
-    dnnl_status_t (*primitive_execute)(chandle_t, handle_t, int, const dnnl_exec_arg_t *);
-    dnnl_status_t (*primitive_destroy)(handle_t);
-    const dnnl_version_t *(*version)(void);
-} api;
-
-static handle_t engine, stream;
-
-#define SYMBOL(field, name) {(void **)&api.field, name}
-static const struct { void **slot; const char *name; } symbols[] = {
-    SYMBOL(engine_create, "dnnl_engine_create"),
-    SYMBOL(stream_create, "dnnl_stream_create"),
-    SYMBOL(memory_desc_create_with_strides, "dnnl_memory_desc_create_with_strides"),
-    SYMBOL(memory_desc_create_with_tag, "dnnl_memory_desc_create_with_tag"),
-    SYMBOL(memory_desc_destroy, "dnnl_memory_desc_destroy"),
-    SYMBOL(memory_desc_clone, "dnnl_memory_desc_clone"),
-    SYMBOL(memory_desc_equal, "dnnl_memory_desc_equal"),
-    SYMBOL(memory_get_data_handle, "dnnl_memory_get_data_handle"),
-    SYMBOL(memory_desc_get_size, "dnnl_memory_desc_get_size"),
-    SYMBOL(memory_create, "dnnl_memory_create"),
-    SYMBOL(memory_set_data_handle, "dnnl_memory_set_data_handle"),
-    SYMBOL(memory_destroy, "dnnl_memory_destroy"),
-    SYMBOL(primitive_attr_create, "dnnl_primitive_attr_create"),
-    SYMBOL(primitive_attr_destroy, "dnnl_primitive_attr_destroy"),
-    SYMBOL(primitive_attr_set_scratchpad_mode, "dnnl_primitive_attr_set_scratchpad_mode"),
-    SYMBOL(primitive_attr_set_scales_mask, "dnnl_primitive_attr_set_scales_mask"),
-    SYMBOL(primitive_attr_set_zero_points_mask, "dnnl_primitive_attr_set_zero_points_mask"),
-    SYMBOL(primitive_attr_set_post_ops, "dnnl_primitive_attr_set_post_ops"),
-    SYMBOL(post_ops_create, "dnnl_post_ops_create"),
-    SYMBOL(post_ops_destroy, "dnnl_post_ops_destroy"),
-    SYMBOL(post_ops_append_sum, "dnnl_post_ops_append_sum"),
-    SYMBOL(post_ops_append_eltwise, "dnnl_post_ops_append_eltwise"),
-    SYMBOL(convolution_forward_primitive_desc_create, "dnnl_convolution_forward_primitive_desc_create"),
-    SYMBOL(matmul_primitive_desc_create, "dnnl_matmul_primitive_desc_create"),
-    SYMBOL(reorder_primitive_desc_create, "dnnl_reorder_primitive_desc_create"),
-    SYMBOL(primitive_desc_query_md, "dnnl_primitive_desc_query_md"),
-    SYMBOL(primitive_desc_destroy, "dnnl_primitive_desc_destroy"),
-    SYMBOL(primitive_create, "dnnl_primitive_create"),
-    SYMBOL(primitive_execute, "dnnl_primitive_execute"),
-    SYMBOL(primitive_destroy, "dnnl_primitive_destroy"),
-    SYMBOL(version, "dnnl_version"),
-};
-
-static PyObject *dnnl_load(PyObject *self, PyObject *args) {
-    const char *path;
-    if (!PyArg_ParseTuple(args, "s", &path)) return NULL;
-    if (engine == NULL) {
-        void *library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-        if (library == NULL) return PyErr_Format(PyExc_OSError, "cannot load %s: %s", path, dlerror());
-        for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); i++) {
-            *symbols[i].slot = dlsym(library, symbols[i].name);
-            if (*symbols[i].slot == NULL) {
-                dlclose(library);
-                return PyErr_Format(PyExc_OSError, "%s has no %s (not oneDNN v3?)", path, symbols[i].name);
-            }
-        }
-        const dnnl_version_t *version = api.version();
-        if (version->major != 3) {
-            dlclose(library);
-            return PyErr_Format(PyExc_OSError, "%s is oneDNN %d.%d; the v3 API is needed", path, version->major,
-                                version->minor);
-        }
-        handle_t new_engine, new_stream;
-        if (api.engine_create(&new_engine, dnnl_cpu, 0) != dnnl_success ||
-            api.stream_create(&new_stream, new_engine, dnnl_stream_default_flags) != dnnl_success) {
-            dlclose(library);
-            return PyErr_Format(PyExc_OSError, "%s: no CPU engine", path);
-        }
-        engine = new_engine, stream = new_stream;  /* the library stays loaded for the process */
-    }
-    const dnnl_version_t *version = api.version();
-    return Py_BuildValue("(iii)", version->major, version->minor, version->patch);
-}
+#include "dnnl_api.h"
 
 /* Memories set for every call: the ones a running call owns (see ``busy``). */
 typedef struct { handle_t src, dst, scratchpad; } CallMemories;
@@ -173,8 +21,6 @@ typedef struct {
     void *weights;                                /* ... and where they are */
     PyObject *donor;                              /* the primitive whose weights these are, if shared */
 } Primitive;
-
-static PyTypeObject PrimitiveType;
 
 static int dims_of(PyObject *sequence, int64_t out[DNNL_MAX_NDIMS]) {
     PyObject *fast = PySequence_Fast(sequence, "dims must be a sequence of ints");
@@ -515,7 +361,7 @@ static PyGetSetDef Primitive_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject PrimitiveType = {
+PyTypeObject PrimitiveType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "fxquant.kernels.onednn._dnnl.Primitive",
     .tp_basicsize = sizeof(Primitive),
@@ -526,24 +372,3 @@ static PyTypeObject PrimitiveType = {
     .tp_methods = Primitive_methods,
     .tp_getset = Primitive_getset,
 };
-
-static PyMethodDef module_methods[] = {
-    {"load", dnnl_load, METH_VARARGS, "load(path) -> (major, minor, patch): dlopen oneDNN v3 and create an engine"},
-    {NULL, NULL, 0, NULL},
-};
-
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_dnnl", "Direct oneDNN int8 primitives.", -1,
-                                    module_methods};
-
-PyMODINIT_FUNC PyInit__dnnl(void) {
-    if (PyType_Ready(&PrimitiveType) < 0) return NULL;
-    PyObject *m = PyModule_Create(&module);
-    if (m == NULL) return NULL;
-    Py_INCREF(&PrimitiveType);
-    if (PyModule_AddObject(m, "Primitive", (PyObject *)&PrimitiveType) < 0) {
-        Py_DECREF(&PrimitiveType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}

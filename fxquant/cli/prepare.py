@@ -1,4 +1,5 @@
-"""``fxquant prepare`` / ``calibrate`` / ``convert``: one stage each, recorded in RUN_DIR.
+"""``fxquant prepare``: trace a model, insert observers, start RUN_DIR (``calibrate`` and ``convert`` are the next
+stages: fxquant/cli/calibrate.py, fxquant/cli/convert.py).
 
 Every handler computes everything in memory first and commits at the end (:func:`fxquant.cli.rundir.advance`), so
 bad input, a crash or Ctrl-C leaves RUN_DIR as it was. Calibration additionally checkpoints its progress under
@@ -10,7 +11,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fxquant.cli import calibrate, convert
 from fxquant.cli.common import emit, load_config
 from fxquant.cli.rundir import create_run
 from fxquant.cli.source import from_command_line
@@ -26,9 +26,6 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     prepare.add_argument("-o", "--output", required=True, metavar="RUN_DIR")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing run in RUN_DIR")
     prepare.set_defaults(handler=_prepare)
-
-    calibrate.register(sub, common)  # fxquant/cli/calibrate.py: one process, or --distributed
-    convert.register(sub, common)  # fxquant/cli/convert.py: plain, or within an accuracy budget
 
 
 def _prepare(args: argparse.Namespace) -> int:
