@@ -318,7 +318,7 @@ def _ratio(stats: dict[str, LatencyStats], ours: str | None, theirs: str) -> str
 
 
 def latency_table(suite: Suite, models: Sequence[str]) -> list[str]:
-    """Issue 5: every candidate's median per configuration; a peer's cell adds (fastest fxquant / peer)."""
+    """The peer matrix: every candidate's median per configuration; a peer's cell adds (fastest fxquant / peer)."""
     fxq, peers = _keys(suite, True), [k for k in _keys(suite, False) if k in PEERS]
     rows = []
     for where, stats in (r for r in suite.rows if r[0][0] in models):
@@ -335,7 +335,8 @@ def latency_table(suite: Suite, models: Sequence[str]) -> list[str]:
 
 
 def zoo_tables(suite: Suite, engines: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
-    """Issue 4: fxquant / torch.ao FX latency per shared engine, Q/DQ counts and SQNR per model; and the misses."""
+    """The same-engine comparison: fxquant / torch.ao FX latency per shared engine, Q/DQ counts and SQNR per model;
+    and the misses of its targets (slower than torch.ao FX, or more Q/DQ nodes)."""
     rows, misses = [], []
     for where, stats in suite.rows:
         cells = []

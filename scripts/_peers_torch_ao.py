@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from _bench_common import Candidate, Peer, Workload, _quiet_torch_deprecations, count_torch_ao_qdq, register_peer
 
-from fxquant.kernels.torch_engines.backends import quantized_engine
+from fxquant.kernels.torch_engines.engine import quantized_engine
 
 TORCH_AO_ENGINES = ("fbgemm", "x86", "qnnpack", "onednn")
 FLOAT_OBJECTS = {"bert_style": (torch.narrow,)}  # per model: ops whose qconfig is set to None

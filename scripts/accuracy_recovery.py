@@ -1,6 +1,8 @@
-"""Evidence for the accuracy-recovery tools (issue 8), every number in one run.
+"""Evidence for the accuracy-recovery tools (SmoothQuant, equalization, the accuracy budget), every number in one run.
 
-    python scripts/accuracy_recovery.py            # minutes: the SmoothQuant section alone took 8 on 2 busy cores
+    python scripts/accuracy_recovery.py            # several minutes on 2 cores, most of them in the SmoothQuant section
+
+Results and what they show: docs/accuracy.md.
 
 1. SmoothQuant: a BERT-style encoder with planted activation outliers (a few hidden channels 50-100x larger),
    INT8 output SQNR with plain per-tensor activations vs ``smoothquant_alpha``; and the same in the fake-quant twin

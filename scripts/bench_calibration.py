@@ -1,6 +1,6 @@
 """Calibration benchmark: the cost of every observer against the same graph with observers off, torch.ao, memory.
 
-The bound (docs/calibration.md, "Calibration cost"): every fxquant observer's calibration forward costs at most 1.3x
+The bound (docs/calibration.md, "Benchmark"): every fxquant observer's calibration forward costs at most 1.3x
 ``fxquant[off]``, the same prepared graph run the same way with its observers disabled (BatchNorm folded, the same
 SDPA and layout: channels-last Conv2d weights inside ``fxquant.observing`` where prepare() found the model runs so).
 Measured on the ResNet-18-style network (batch 32, 224x224), the MobileNetV2- and EfficientNet-style networks (batch
@@ -56,7 +56,7 @@ from torch import nn
 
 import fxquant
 from fxquant.calibration import observers_of
-from fxquant.kernels.torch_engines.backends import quantized_engine
+from fxquant.kernels.torch_engines.engine import quantized_engine
 from fxquant.models import create_model, example_inputs
 from fxquant.models.digits import accuracy, digits_loader, train_digits_cnn
 from fxquant.report.latency import interleaved_samples, num_threads
@@ -339,7 +339,7 @@ def _torch_ao_accuracy(model: nn.Module, name: str, calib: Any, test: Any, refer
         return accuracy(qmodel, test), sqnr_db(reference, qmodel(images))
 
 
-CLIPPING = ("percentile", "entropy", "mse")  # the issue's target: each beats minmax on the outlier model
+CLIPPING = ("percentile", "entropy", "mse")  # the clipping target: each beats minmax on the outlier model
 
 
 def accuracy_section() -> list[str]:

@@ -6,9 +6,10 @@ are calibrated on the same seeded random batches. Candidates: FP32 eager; fxquan
 torch.ao FX on each quantized engine; torchao PT2E + Inductor; ONNX Runtime static INT8 (peers skipped with a note
 when their packages are missing). See ``docs/benchmarks.md`` for the columns and the measured tables.
 
-Default plan: issue 5's models (mlp, resnet18, mobilenetv2 at batch 1 and 32, bert_style at 8; 1 and 2 threads)
-against every peer, and the rest of the zoo (batch 1 and 8, 1 thread) against torch.ao FX on the engines fxquant
-shares (issue 4). ``--batches``/``--threads``/``--backends``/``--peers`` override the plan for every model.
+Default plan: the peer matrix (mlp, resnet18, mobilenetv2 at batch 1 and 32, bert_style at 8; 1 and 2 threads;
+every fxquant backend and ``auto`` against every peer), and the same-engine comparison (the rest of the zoo at batch 1
+and 8, 1 thread, against torch.ao FX on the engines fxquant shares). ``--batches``/``--threads``/``--backends``/
+``--peers`` override the plan for every model.
 
     python scripts/benchmark.py --profile > /tmp/bench.txt     # the full run: ~20 minutes on 2 cores
     python scripts/benchmark.py --quick                         # smoke run: < 1 minute
@@ -58,14 +59,14 @@ from fxquant.models import example_inputs
 from fxquant.report.latency import LatencyStats, measure_latency, num_threads
 
 load_peers()
-ISSUE5_MODELS = ("mlp", "resnet18", "mobilenetv2", "bert_style")
-ZOO_MODELS = (*ISSUE5_MODELS, "efficientnet", "audio1d", "conv3d", "unet", "control_flow")
+PEER_MATRIX_MODELS = ("mlp", "resnet18", "mobilenetv2", "bert_style")
+ZOO_MODELS = (*PEER_MATRIX_MODELS, "efficientnet", "audio1d", "conv3d", "unet", "control_flow")
 PAIRED = ("fbgemm", "qnnpack", "onednn")  # fxquant backends with a torch.ao engine of the same name
-ISSUE5_BATCHES = {"bert_style": (8,)}
+PEER_MATRIX_BATCHES = {"bert_style": (8,)}
 # What a user is told to set: control_flow's negative branch never runs on post-ReLU inputs, so it has no ranges.
 MODEL_CONFIG = {"control_flow": {"exclude": ["gated.negative"]}}
 PEAK_ROWS = {("resnet18", 32, 1)}  # rows whose fraction of the CPU's INT8 peak is reported
-PEER_TARGET = 0.90  # issue 19: fastest fxquant / fastest peer at one thread
+PEER_TARGET = 0.90  # the peer matrix's target: fastest fxquant / fastest peer at one thread, at most this
 HEAVY_CALL_S = 0.25  # a config whose slowest call takes longer gets fewer warmup/minimum rounds
 
 
@@ -114,11 +115,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def plan_for(name: str, args: argparse.Namespace) -> Plan:
-    issue5 = name in ISSUE5_MODELS
-    batches = (1,) if args.quick else ISSUE5_BATCHES.get(name, (1, 32)) if issue5 else (1, 8)
-    threads = (1,) if args.quick or not issue5 else (1, 2)
-    backends = (*available_backends(), "auto") if issue5 else PAIRED
-    peers = tuple(PEERS) if issue5 else tuple(f"torch.ao:{e}" for e in PAIRED)
+    in_matrix = name in PEER_MATRIX_MODELS
+    batches = (1,) if args.quick else PEER_MATRIX_BATCHES.get(name, (1, 32)) if in_matrix else (1, 8)
+    threads = (1,) if args.quick or not in_matrix else (1, 2)
+    backends = (*available_backends(), "auto") if in_matrix else PAIRED
+    peers = tuple(PEERS) if in_matrix else tuple(f"torch.ao:{e}" for e in PAIRED)
     return Plan(tuple(args.batches or batches), tuple(args.threads or threads), tuple(args.backends or backends),
                 tuple(peers if args.peers is None else args.peers))
 
@@ -201,10 +202,10 @@ def warm_up(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], 
             suite: Suite) -> tuple[dict[str, Candidate], dict[str, float]]:
     """One untimed call each (Inductor compiles, ORT creates its session; SQNR from its output), then a sizing call.
 
-    A candidate slower than both ``--max-call-s`` and FP32 is not timed in rounds (qnnpack and the reference backend
-    on big convnets at batch 32 take 5-20 s a call): its sizing call is reported as approximate, and it is left out
-    at the other thread counts of the same model and batch. A first call over three times that limit is enough,
-    unless the candidate is lazy (its first call compiled or created a session).
+    A candidate slower than both ``--max-call-s`` and FP32 is not timed in rounds (which ones: docs/benchmarks.md,
+    *Method*): its sizing call is reported as approximate, and it is left out at the other thread counts of the same
+    model and batch. A first call over three times that limit is enough, unless the candidate is lazy (its first
+    call compiled or created a session).
     """
     kept: dict[str, Candidate] = {}
     calls: dict[str, float] = {}
@@ -237,9 +238,9 @@ def measure(candidates: dict[str, Candidate], inputs: tuple[torch.Tensor, ...], 
             calls: dict[str, float], args: argparse.Namespace) -> dict[str, LatencyStats]:
     """Interleaved runs sized by one untimed round: warmup, minimum rounds and budget follow the slowest model.
 
-    ``measure_latency`` shuffles the order every round, so no candidate always runs right after the FP32 model (on
-    sub-millisecond models that call is ~25% slower). It also stops at its budget before ``min_runs``: the budget
-    is raised to fit the minimum rounds of heavy models.
+    ``measure_latency`` shuffles the order every round, so no candidate always runs right after the FP32 model (that
+    call is slower; by how much: docs/benchmarks.md, *Method*). It also stops at its budget before ``min_runs``: the
+    budget is raised to fit the minimum rounds of heavy models.
     """
     heavy = max(calls.values()) > HEAVY_CALL_S
     min_runs = 2 if args.quick else 3 if heavy else 10
@@ -274,10 +275,10 @@ def profile_if_beaten(candidates: dict[str, Candidate], stats: dict[str, Latency
 
 
 def peer_misses(suite: Suite) -> list[str]:
-    """Issue 5 rows at one thread where fastest fxquant / fastest peer is above ``PEER_TARGET``."""
+    """Peer-matrix rows at one thread where fastest fxquant / fastest peer is above ``PEER_TARGET``."""
     misses = []
     for where, stats in suite.rows:
-        best = fastest(stats) if where[0] in ISSUE5_MODELS and where[2] == 1 else None
+        best = fastest(stats) if where[0] in PEER_MATRIX_MODELS and where[2] == 1 else None
         if best is not None and stats[best[0]].median > PEER_TARGET * stats[best[1]].median:
             ours, theirs = stats[best[0]].median, stats[best[1]].median
             misses.append(f"{where[0]} batch {where[1]}: {ours / theirs:.2f} ({label(best[0])} {ours:.3g} ms / "
@@ -337,14 +338,16 @@ def markdown(suite: Suite, args: argparse.Namespace) -> str:
              f"calibration: {args.calib_batches} random batches of {args.calib_batch_size}, same for every tool",
              "- latency: median ms per call [fastest-slowest call]; `(fxq/peer)`: fastest fxquant backend / that peer, "
              "< 1.00: fxquant faster; `= X`: the same graph and kernels as X, timed once (as X)",
-             "", "### Issue 5: backends and peers", "", *latency_table(suite, ISSUE5_MODELS),
-             "", f"### Issue 5 rows at 1 thread above {PEER_TARGET:.2f} (fastest fxquant / fastest peer)", "",
+             "", "### The peer matrix: fxquant backends and peers", "", *latency_table(suite, PEER_MATRIX_MODELS),
+             "", f"### Peer-matrix rows at 1 thread above {PEER_TARGET:.2f} (fastest fxquant / fastest peer)", "",
              *(f"- {m}" for m in peer_misses(suite) or ["none"]),
              *(["", "### Fraction of the CPU's INT8 peak", "", *(f"- {line}" for line in suite.peak)]
                if suite.peak else []),
-             "", "### Issue 4: zoo, fxquant vs torch.ao FX on the same engine (ratio < 1.00: fxquant faster)", "",
+             "", "### The same-engine comparison: the zoo, fxquant vs torch.ao FX on the same engine (ratio < 1.00: "
+             "fxquant faster)", "",
              *latency, "", *pairs, "", "### SQNR vs FP32 (dB, at the largest batch timed)", "", *sqnr_table(suite),
-             "", "### Misses of the issue 4 targets", "", *(f"- {m}" for m in misses or ["none"])]
+             "", "### Misses of the same-engine targets (no slower than torch.ao FX, no more Q/DQ nodes)", "",
+             *(f"- {m}" for m in misses or ["none"])]
     if suite.profiles:
         lines += ["", f"### Where the time goes (1 thread, rows above {PEER_TARGET:.2f}; torch.profiler, fxquant: node "
                   "by node)",

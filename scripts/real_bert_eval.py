@@ -287,7 +287,8 @@ def latency(bench: Bench, models: dict[str, Callable[..., Any]]) -> None:
 
 
 def target_rows(bench: Bench, backend: str) -> None:
-    """Issue 8's target: >= 0.995 mean cosine with every Linear INT8, at a latency well under FP32's."""
+    """The real-BERT target (docs/accuracy.md): >= 0.995 mean cosine with every Linear INT8, at a latency well under
+    FP32's."""
     models: dict[str, Callable[..., Any]] = {"FP32": bench.model}
     for alpha in (None, "auto", 0.7):
         qmodel = fxquant.convert(bench.calibrated(QuantConfig(smoothquant_alpha=alpha)), backend=backend)
@@ -308,8 +309,8 @@ def main() -> None:
                         "(default: 0.5,0.8,auto)")
     parser.add_argument("--only-simulation", action="store_true", help="only the fake-quant diagnosis rows")
     parser.add_argument("--only-auto", action="store_true", help="only the simulation rows without rounded outputs "
-                        "and SmoothQuant auto, in fake-quant and in fxquant (the rows of issue 8's per-layer alpha)")
-    parser.add_argument("--target", action="store_true", help="only issue 8's target rows: every Linear INT8 on "
+                        "and SmoothQuant auto, in fake-quant and in fxquant (the automatic per-layer alpha's rows)")
+    parser.add_argument("--target", action="store_true", help="only the real-BERT target's rows: every Linear INT8 on "
                         "--backend, plain / SmoothQuant auto / alpha 0.7, with latency against FP32 and torch.ao "
                         "dynamic (~5 minutes)")
     parser.add_argument("--backend", default="onednn", help="backend of the --target rows (default: onednn)")

@@ -1,10 +1,10 @@
 """Calibration forwards with Conv2d weights in channels-last memory.
 
 oneDNN's float convolution runs faster on channels-last (NHWC) tensors than on the default NCHW layout, which it
-reorders on every call: on this project's ResNet-18-style network at batch 32 (one thread) a forward takes ~0.77x
-the NCHW time. A convolution with a channels-last weight produces a channels-last output from either input layout,
-and element-wise ops, pooling and the observers (which read memory in any dense order) keep it, so converting the
-Conv2d weights is enough to move a whole conv trunk to NHWC. Values are the same up to float summation order.
+reorders on every call (docs/calibration.md, "Benchmark", times both layouts). A convolution with a channels-last
+weight produces a channels-last output from either input layout, and element-wise ops, pooling and the observers
+(which read memory in any dense order) keep it, so converting the Conv2d weights is enough to move a whole conv
+trunk to NHWC. Values are the same up to float summation order.
 
 It is scoped to calibration (:func:`~fxquant.calibration.observing.observing` and ``fxquant.calibrate``): outside,
 the prepared model keeps the user's layouts, and its outputs keep theirs. A model whose code only works on NCHW

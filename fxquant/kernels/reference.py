@@ -80,8 +80,8 @@ def integer_conv(a: torch.Tensor, zero_point: int, weight: torch.Tensor, spec: C
 
 
 def _depthwise_by_taps(x: torch.Tensor, weight: torch.Tensor, spec: ConvSpec) -> torch.Tensor:
-    """Depthwise conv as one multiply-add per kernel tap: PyTorch's float64 grouped conv loops over groups and was
-    measured 2-7x slower. The same exact products, summed in another order, so the result is identical."""
+    """Depthwise conv as one multiply-add per kernel tap: PyTorch's float64 grouped conv loops over groups, one slow
+    conv per channel. The same exact products, summed in another order, so the result is identical."""
     x = x.repeat_interleave(weight.shape[0] // x.shape[1], dim=1)  # a channel multiplier reads its input repeatedly
     x = F.pad(x, [p for pad in reversed(spec.padding) for p in (pad, pad)])
     kernel = weight.shape[2:]

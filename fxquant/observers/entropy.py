@@ -14,9 +14,9 @@ uint8 levels on one side) and 128 for two-sided data (a symmetric threshold, 128
 * The zero spike. As NVIDIA does, the first bin's count (``[0, width)``) is replaced by the second's before
   scoring. Post-ReLU activations put about half their values exactly at 0; left in, that one bin dominates ``P``,
   and spreading it over the other bins of its level costs so much divergence that only thresholds leaving bin 0
-  alone in its level (``T`` near ``levels`` bins) look good. Measured on the digits CNN: thresholds collapsed to
-  27-53% of the post-ReLU layers' max, INT8 logit SQNR 10.9 dB against 44.3 dB with minmax (35.9 dB once fixed).
-  0 is exactly representable at any threshold, so the spike says nothing about where to clip.
+  alone in its level (``T`` near ``levels`` bins) look good, and the thresholds collapse (docs/calibration.md,
+  "Range methods of the histogram family", has the measurement on the digits CNN). 0 is exactly representable at
+  any threshold, so the spike says nothing about where to clip.
 * An empty last bin. When ``T`` ends on an empty bin while mass lies beyond it, ``Q`` has nothing where ``P`` has
   the clipped mass. NVIDIA's divergence is then infinite (scipy's ``entropy``), so a threshold can never fall in
   the gap below a few isolated outliers, the case clipping exists for. That bin of ``Q`` gets MXNet's and ONNX

@@ -3,10 +3,10 @@
 A hand-written attention traces as ``matmul(softmax(matmul(q, k.transpose(-2, -1)) * scale [+ mask]), v)``: two
 batched matmuls, a transposed copy of ``k``, a scaled and a softmaxed score tensor, each a full pass over
 ``batch x heads x seq x seq`` floats. torch's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``,
-what PT2E + Inductor call through their attention pattern matcher) computes the same function in one blocked pass:
-measured 1.52 ms against 2.34 ms per BERT-style layer (batch 8, 128 tokens, 4 heads of 64), same values within float
-rounding (8.9e-7). The attention's matmuls are float in fxquant's INT8 models, so this is a float rewrite: it makes
-the prepared (calibration) forward and the converted model faster, and changes no observer or qparam.
+what PT2E + Inductor call through their attention pattern matcher) computes the same function in one blocked pass,
+the same values within float rounding (docs/backends.md, "hand-written attention", has the measurement). The
+attention's matmuls are float in fxquant's INT8 models, so this is a float rewrite: it makes the prepared
+(calibration) forward and the converted model faster, and changes no observer or qparam.
 
 Recognised, for every node that is used only by the next step (so nothing else reads the scores or probabilities):
 ``matmul(q, kt)`` with ``kt`` a transpose/permute of ``k``'s last two dims (only read there), optionally times a

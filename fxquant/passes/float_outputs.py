@@ -4,7 +4,7 @@ A residual add ``dense(x) + residual`` whose sum feeds a LayerNorm (every transf
 running int8: its output is dequantized right away, so an int8 add only rounds three times (the Linear's output, the
 float residual it quantizes, the sum) where the float add rounds none. BERT's FFN down-projections output values
 up to ~200 where most are single digits; those roundings cost most of the model's INT8 error (measured on
-all-MiniLM-L6-v2: mean cosine 0.94 with the Linear outputs rounded, 0.993 with them float). So such an add stays
+all-MiniLM-L6-v2 in docs/accuracy.md, "A real pretrained encoder"). So such an add stays
 float, and the Linear feeding it returns float from its accumulator (``Backend.linear_to_float``).
 """
 

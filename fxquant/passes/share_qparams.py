@@ -1,12 +1,12 @@
 """Let a concatenation's inputs share its output qparams, so the int8 ``cat`` only copies.
 
 Each input of a ``torch.cat`` otherwise keeps the qparams of its own observer and the int8 cat requantizes every
-input to the output's (torch's ``quantized::cat``: a dequantize-quantize pass over each input, 3x slower than a copy
-on the U-Net skips). Where every input is an observed value (the output of an int8 layer, or a float value entering
-int8) read by no other concatenation, those observers take the cat's output qparams instead: the producers write
-directly on the cat's grid, as in torch.ao FX, whose cat shares one observer with its inputs. The cat's observer saw
-the union of its inputs, so their ranges are covered; other readers of an input (a pool beside the skip) read it
-with the shared qparams too.
+input to the output's (torch's ``quantized::cat``: a dequantize-quantize pass over each input, where a copy would do;
+docs/quantization.md, "Fewest boundaries", has the cost). Where every input is an observed value (the output of an
+int8 layer, or a float value entering int8) read by no other concatenation, those observers take the cat's output
+qparams instead: the producers write directly on the cat's grid, as in torch.ao FX, whose cat shares one observer
+with its inputs. The cat's observer saw the union of its inputs, so their ranges are covered; other readers of an
+input (a pool beside the skip) read it with the shared qparams too.
 """
 
 from __future__ import annotations

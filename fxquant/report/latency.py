@@ -84,8 +84,8 @@ def interleaved_samples(fns: Mapping[str, Callable[[], Any]], *, warmup: int, mi
     Each round runs the callables in a new order (a seeded shuffle, so a run is repeatable): whatever runs right
     after another model pays for what that model left behind (its weights in the caches; after a float model, int8
     kernels run slower for a while), and a fixed order - or one merely rotated, which keeps every callable's
-    predecessor - would charge it to the same callable every round (measured: 25% on a sub-millisecond MLP right
-    after its FP32 model). The i-th samples of two callables come from the same round, so their ratio is paired.
+    predecessor - would charge it to the same callable every round (docs/benchmarks.md, "Method", has the
+    measured cost). The i-th samples of two callables come from the same round, so their ratio is paired.
     Stops after ``min_runs`` rounds once every mean is known within ``rel_ci`` (None: never), the time budget is
     spent, or after ``max_runs``. ``clock``: e.g. ``time.process_time`` to leave out the time other processes hold
     a core.

@@ -244,7 +244,7 @@ def assert_export_matches_eager(model: torch.nn.Module, example_shape: tuple[int
     engine it was made for, as docs/cli.md says - records ``op`` (the engine's own kernel, not a C loop) and gives
     the eager model's outputs exactly, on a batch size other than the example's."""
     import fxquant
-    from fxquant.kernels.torch_engines.backends import quantized_engine
+    from fxquant.kernels.torch_engines.engine import quantized_engine
 
     torch.manual_seed(0)
     prepared = fxquant.prepare(model.eval(), (torch.randn(example_shape),))

@@ -28,7 +28,7 @@ from kernel_contract_cases import (
 
 from fxquant.kernels.base import Backend, ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
-from fxquant.kernels.torch_engines.backends import quantized_engine
+from fxquant.kernels.torch_engines.engine import quantized_engine
 from fxquant.kernels.torch_engines.transposed import direct_conv_path
 from fxquant.qparams import REDUCED_UINT8_RANGE, QParams
 

@@ -1,2 +1,7 @@
 """The ``onednn`` backend: INT8 on plain int8/uint8 tensors through torch's oneDNN ops, or fxquant's own oneDNN
-primitives (:mod:`~fxquant.kernels.onednn.direct`) where the library loads."""
+primitives where the library loads.
+
+``backend`` (the Backend), ``weights`` (packed weights and their bound calls), ``calls`` (one call per input shape),
+``post_ops`` (output kinds, post-ops and clamps), ``workarounds`` (the geometries torch's op gets wrong),
+``max_pool`` (uint8 max-pool) and ``direct`` (fxquant's primitives through the ``_dnnl`` C extension).
+"""

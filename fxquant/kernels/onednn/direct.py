@@ -1,11 +1,11 @@
-"""oneDNN int8 primitives called directly (``fxquant/kernels/onednn/_dnnl.c``): built once per layer, input shape and
-thread count.
+"""oneDNN int8 primitives called directly (the ``_dnnl`` C extension, ``fxquant/kernels/onednn/csrc/``): built once
+per layer, input shape and thread count.
 
 torch 2.13's plain-tensor ops rebuild oneDNN's primitive descriptor, scale and zero-point memories and scratchpad on
-every call, ~50-100 us around kernels that take ~10-100 us at batch 1 (one thread: a 16->16 3x3 conv on 8x8 runs in
-6.7 us here against 61.5 us through ``onednn::qconv_pointwise``; 64->64 on 56x56: 112 vs 157 us; at batch 32 the
-two are the same kernel, 3.1 ms). The results are bit-identical to the ops' (tests/kernels/test_onednn_direct.py):
-the same oneDNN algorithms, scales, zero points and post-ops.
+every call, which at batch 1 costs more than the kernel itself on small layers; a primitive built here once runs the
+same kernel with two data pointers set (the measurements are in docs/backends.md, "Layers on oneDNN primitives built
+once"). The results are bit-identical to the ops' (tests/kernels/test_onednn_direct.py): the same oneDNN
+algorithms, scales, zero points and post-ops.
 
 The library comes from Intel's ``onednn-cpu-gomp`` wheel (a dependency of fxquant on x86-64 Linux; it installs
 ``libdnnl.so.3`` under ``sys.prefix/lib``) or from ``FXQUANT_DNNL_LIBRARY`` (a path; ``0`` turns the direct path
@@ -137,7 +137,7 @@ def _primitive(weight: torch.Tensor, weight_dims: list[int], src_dims: list[int]
     """A ``_dnnl.Primitive``, or None where this oneDNN has no implementation for it (the caller then runs the
     torch op, whose newer oneDNN may have one). ``shared``: the layer's primitives that own their reordered weights
     (one per layout); a new one uses those of the layout oneDNN picks for its input shape and thread count, if
-    there, and joins the list otherwise (ResNet-18 at batch 1, 8 and 32: one copy for 13 layers, two for 8)."""
+    there, and joins the list otherwise, so a layer run at several batch sizes mostly holds one copy."""
     assert _dnnl is not None
     try:
         primitive = _dnnl.Primitive(

@@ -1,30 +1,32 @@
-"""fbgemm's and qnnpack's convs and Linears on AMX tiles: the C loop ``conv_u8`` (``fxquant/native/_native.c``),
-bit-identical to the engine's own kernel.
+"""fbgemm's and qnnpack's convs and Linears in fxquant's C loops: ``conv_u8`` on AMX tiles and the VNNI row loop
+for few-row Linears (in :mod:`fxquant.native`), bit-identical to the engine's own kernel.
 
-fbgemm builds an im2col copy of the input on every call and runs convs with few channels slowly on this kind of CPU
-(one thread, batch 8, 64x64: 3->16 3x3 in 1.8 ms, 8 GMAC/s; 32->16 in 2.3 ms; 64->64 on 56x56 at ~200 GMAC/s);
-qnnpack's x86 kernels are SSE2 (ResNet-18 at batch 1: ~95 ms). With AMX-INT8 the C loop sums the same u8*s8
-products exactly in int32 tiles straight from a zero-point-padded copy of the input, then requantizes as the engine
-does, per output channel - fbgemm: ``(float(acc - z_x * sum(w)) + bias / (s_x * s_w)) * (s_x * s_w / s_out)``;
-qnnpack: ``float(acc - z_x * sum(w) + round(bias / (s_x * s_w))) * (s_w * s_x * (1 / s_out))`` - rounded to nearest
-even. Because the bytes are the engine's, a traced TorchScript export (which records the engine's ops: the loop is
-skipped while tracing) computes what the eager model computes.
+fbgemm builds an im2col copy of the input on every call, which dominates on convs with few channels, and qnnpack's
+x86 kernels are SSE2 (docs/amx.md, "Why: fbgemm's im2col on few-channel convs"). With AMX-INT8 the C loop sums the
+same u8*s8 products exactly in int32 tiles straight from a zero-point-padded copy of the input, then requantizes as
+the engine does, per output channel - fbgemm: ``(float(acc - z_x * sum(w)) + bias / (s_x * s_w)) * (s_x * s_w /
+s_out)``; qnnpack: ``float(acc - z_x * sum(w) + round(bias / (s_x * s_w))) * (s_w * s_x * (1 / s_out))`` - rounded
+to nearest even. Because the bytes are the engine's, a traced TorchScript export (which records the engine's ops: the
+loop is skipped while tracing) computes what the eager model computes.
 
 Taken for Linears (as 1x1 convs over their rows) and 1-, 2- and 3-d convs with groups 1, dilation 1 and
 per-channel weights with zero point 0 (fxquant's default), at sizes where it was measured faster
-(:meth:`NativeConv.takes`); everything else, and CPUs without AMX, keeps the engine's kernels. This module lays out
-weights and requantization constants; the quantized tensors themselves are made in
-:mod:`fxquant.kernels.torch_engines.backends`.
+(:meth:`NativeConv.takes`); everything else, and CPUs without AMX, keeps the engine's kernels. This module owns that
+dispatch: it lays out weights and requantization constants at packing (:func:`native_conv`) and decides, per call,
+whether a loop runs (:func:`run_conv`, :func:`run_linear`); the quantized tensors themselves are made in
+:mod:`fxquant.kernels.torch_engines.engine`.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from fxquant import native
 from fxquant.kernels.base import ConvSpec
+from fxquant.kernels.torch_engines.engine import empty_quantized, grid, int32_bias, is_quint8
 from fxquant.native.isa import has_amx_int8, has_vnni
 from fxquant.qparams import QParams
 
@@ -87,8 +89,7 @@ class NativeConv:
             zeros = torch.zeros_like(self.bias)
             if self.engine == "qnnpack":
                 steps = self.weight_scales.double() * in_scale
-                rounded = torch.quantize_per_channel(self.bias, steps, torch.zeros_like(steps, dtype=torch.int32), 0,
-                                                     torch.qint32).int_repr()
+                rounded = int32_bias(self.bias, steps)
                 multipliers = self.weight_scales * x_scale * (torch.tensor(1.0, dtype=torch.float32) / o_scale)
                 self._factors[key] = (rounded, zeros, multipliers)
             else:
@@ -128,3 +129,56 @@ def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, 
         row_weight = wide.reshape(-1, 64, span_pad // 4, 4).transpose(1, 2).contiguous()
     return NativeConv(packed, sums, floats[0].clone(), floats[1].clone(), in_channels, out_channels, spec,
                       (kernel[0], kernel[1], kernel[2]), engine, linear, row_weight, tiles)
+
+
+def run_conv(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
+    """The conv by the C loop on AMX tiles (the engine's results, channels-last), or None: no loop for this layer, a
+    traced export (it records the engine's conv), a size where the engine's kernel is faster, or a process without
+    AMX. An input with strided channels (fbgemm's 3-d convs return NCDHW) is made channels-last first, as the engine
+    itself does."""
+    if loop is None:
+        return None
+    spec = loop.spec
+    if not native.available(loop.family) or torch.jit.is_tracing() or not is_quint8(a) or a.dim() != spec.dim + 2:
+        return None
+    kernel = loop.kernel[3 - spec.dim:]
+    size = [(a.shape[2 + i] + 2 * spec.padding[i] - kernel[i]) // spec.stride[i] + 1 for i in range(spec.dim)]
+    positions = a.shape[0] * math.prod(size)
+    if min(size) < 1 or not loop.takes(positions):
+        return None
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        a = a.movedim(1, -1).contiguous().movedim(-1, 1)
+    shape = [a.shape[0], *size, loop.out_channels]  # allocated channels-last, as fbgemm returns its 2-d outputs
+    out = empty_quantized(shape, scale, zp).movedim(-1, 1)
+    in_scale, in_zp = grid(a)
+    done = native.conv_into(out, a, loop.weight, loop.column_sums, loop.factors(in_scale, scale),
+                            loop.out_channels, (kernel, spec.stride, spec.padding), (in_zp, zp), relu)
+    return out if done else None
+
+
+def run_linear(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
+    """A Linear on the rows of a contiguous ``a`` by a C loop (the engine's results), or None: no loop for this
+    layer, an input the loop does not read (fewer than two dims, no features, not contiguous), no C loops in this
+    process, a traced export, or a size where the engine's kernel is faster (:meth:`NativeConv.takes`)."""
+    if loop is None or a.dim() < 2 or not a.shape[-1] or not a.is_contiguous() or not native.available(loop.family) \
+            or torch.jit.is_tracing():
+        return None
+    rows = a.reshape(-1, a.shape[-1])
+    if not loop.takes(rows.shape[0]):
+        return None
+    if loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
+        tiles = run_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
+        return None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
+    out = _run_rows(rows, loop, scale, zp, relu)
+    return None if out is None else out.reshape(*a.shape[:-1], loop.out_channels)
+
+
+def _run_rows(rows: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
+    """A Linear on a few ``rows`` by the VNNI row loop (the engine's results), or None on a CPU without VNNI."""
+    if not is_quint8(rows) or loop.row_weight is None:
+        return None
+    out = empty_quantized([rows.shape[0], loop.out_channels], scale, zp)
+    in_scale, in_zp = grid(rows)
+    done = native.linear_rows_into(out, rows, loop.row_weight, loop.column_sums, loop.factors(in_scale, scale),
+                                   loop.out_channels, (in_zp, zp), relu)
+    return out if done else None

@@ -1,20 +1,15 @@
-"""fbgemm and qnnpack: ``torch.ops.quantized`` kernels on quantized-dtype tensors.
+"""The ``fbgemm`` and ``qnnpack`` backends: ``torch.ops.quantized`` kernels on quantized-dtype tensors.
 
-This is the only module of fxquant that touches the quantized dtypes (``quint8``/``qint8``) and the process-wide
-``torch.backends.quantized.engine``. torch 2.13 deprecates those dtypes (pytorch issue 184982); users of these two
-backends are told once, and torch's per-call warning is silenced. The engine is switched only while weights are
-prepacked (a packed weight remembers its engine), then restored. Transposed convs go around a broken fbgemm kernel,
-as :mod:`fxquant.kernels.torch_engines.transposed` explains.
+The tensors themselves and the engine switch come from :mod:`fxquant.kernels.torch_engines.engine`; convs and
+Linears take fxquant's C loops where those compute the engine's bytes faster
+(:mod:`fxquant.kernels.torch_engines.amx_conv`); transposed convs go around a broken fbgemm kernel
+(:mod:`fxquant.kernels.torch_engines.transposed`); fbgemm's float-output Linears run on oneDNN
+(:mod:`fxquant.kernels.torch_engines.onednn_bridge`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-import math
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,7 +18,20 @@ import torch.nn.functional as F
 from fxquant import native
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight, same_grid
 from fxquant.kernels.registry import register_backend
-from fxquant.kernels.torch_engines.amx_conv import NativeConv, native_conv
+from fxquant.kernels.torch_engines.amx_conv import native_conv, run_conv, run_linear
+from fxquant.kernels.torch_engines.engine import (
+    bytes_of,
+    dequantized,
+    empty_quantized,
+    has_engine,
+    is_quint8,
+    note_deprecation,
+    prepack_weight,
+    quantize_quint8,
+    quint8_from_bytes,
+    stored_integers,
+)
+from fxquant.kernels.torch_engines.onednn_bridge import onednn_backend, onednn_weight
 from fxquant.kernels.torch_engines.transposed import (
     Transposed,
     as_patches,
@@ -31,15 +39,12 @@ from fxquant.kernels.torch_engines.transposed import (
     direct_conv_path,
     native_patches,
     patch_linear,
-    requantize_factors,
+    run_patches,
     with_zero_channel,
 )
 from fxquant.native.isa import has_vnni
 from fxquant.qparams import REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 
-log = logging.getLogger(__name__)
-_TOLD = False
-_DEPRECATION = r".*quantized tensor creation functions.*deprecated.*"
 _q = torch.ops.quantized
 _ROWS = ConvSpec(1, (1,), (0,), (1,), 1, False, (0,))  # a Linear as a 1x1 conv over its rows
 _CONV_OPS = {
@@ -47,37 +52,6 @@ _CONV_OPS = {
     2: (_q.conv2d_prepack, _q.conv2d, _q.conv2d_relu),
     3: (_q.conv3d_prepack, _q.conv3d, _q.conv3d_relu),
 }
-
-
-def _tell_once() -> None:
-    global _TOLD
-    if not _TOLD:
-        _TOLD = True
-        warnings.filterwarnings("ignore", message=_DEPRECATION)
-        log.warning(
-            "note: fxquant's fbgemm/qnnpack backends use torch's quantized dtypes, which torch 2.13 deprecates "
-            "(pytorch issue 184982); the 'onednn' and 'reference' backends do not use them."
-        )
-
-
-@contextlib.contextmanager
-def quantized_engine(name: str) -> Iterator[None]:
-    """Set ``torch.backends.quantized.engine`` for the block and restore it afterwards."""
-    previous = torch.backends.quantized.engine
-    torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = previous
-
-
-def _weight_tensor(weight: torch.Tensor, w_qp: QParams) -> torch.Tensor:
-    if w_qp.axis is None:
-        scale, zp = w_qp.scalar()
-        return torch._make_per_tensor_quantized_tensor(weight, scale, zp)
-    return torch._make_per_channel_quantized_tensor(
-        weight, w_qp.scale.double(), w_qp.zero_point, w_qp.axis
-    )
 
 
 def _within(y: torch.Tensor, qp: QParams) -> torch.Tensor:
@@ -99,7 +73,7 @@ def _canonical(a: torch.Tensor) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=1024)
 def _is_canonical(shape: torch.Size, stride: tuple[int, ...]) -> bool:
-    """Worked out once per (shape, strides): a pool runs on every call (audio1d at batch 1: ~3 us of 0.4 ms each)."""
+    """Worked out once per (shape, strides): a pool runs on every call, and the check costs more than a lookup."""
     if stride == _dense_strides(shape, range(len(shape))):
         return True
     return len(shape) in (3, 4) and stride == _dense_strides(shape, (0, *range(2, len(shape)), 1))  # channels last
@@ -128,41 +102,39 @@ class _QuantizedDtypeBackend(Backend):
 
     @classmethod
     def is_available(cls) -> bool:
-        return cls.engine in torch.backends.quantized.supported_engines
+        return has_engine(cls.engine)
 
     def __init__(self) -> None:
-        _tell_once()
+        note_deprecation()
 
     def quantize(self, x: torch.Tensor, qp: QParams) -> torch.Tensor:
         scale, zp = qp.scalar()
         x = x if x.dtype == torch.float32 else x.float()  # skips a dispatched no-op ``to`` per call
-        return _within(torch.quantize_per_tensor(x, scale, zp, torch.quint8), qp)
+        return _within(quantize_quint8(x, scale, zp), qp)
 
     def dequantize(self, a: torch.Tensor, qp: QParams) -> torch.Tensor:
-        return a.dequantize()
+        return dequantized(a)
 
     def from_bytes(self, stored: torch.Tensor, qp: QParams) -> torch.Tensor:
         scale, zp = qp.scalar()
-        return torch._make_per_tensor_quantized_tensor(stored, scale, zp)
+        return quint8_from_bytes(stored, scale, zp)
 
     def to_bytes(self, a: torch.Tensor) -> torch.Tensor:
-        return a.int_repr()
+        return bytes_of(a)
 
     def lookup(self, a: torch.Tensor, table: torch.Tensor, qout: QParams) -> torch.Tensor:
-        if a.dtype != torch.quint8:  # the table reads raw bytes: another dtype would be misread
+        if not is_quint8(a):  # the table reads raw bytes: another dtype would be misread
             raise TypeError(f"an int8 lookup on {self.name} takes quint8 activations, got {a.dtype}")
         scale, zp = qout.scalar()
         memory_format = native.dense_format(a)
         if not native.available() or torch.jit.is_tracing() or memory_format is None:  # traced: torch ops, same table
-            return torch._make_per_tensor_quantized_tensor(table[a.int_repr().long()], scale, zp)
-        out = torch._empty_affine_quantized(a.shape, scale=scale, zero_point=zp, dtype=torch.quint8,
-                                            memory_format=memory_format)
+            return quint8_from_bytes(table[bytes_of(a).long()], scale, zp)
+        out = empty_quantized(a.shape, scale, zp, memory_format=memory_format)
         return native.lookup_into(out, a, table)
 
     def prepack_linear(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, *,
                        in_qp: QParams | None = None) -> PackedWeight:
-        with quantized_engine(self.engine):
-            payload = _q.linear_prepack(_weight_tensor(weight, w_qp), bias)
+        payload = prepack_weight(self.engine, _q.linear_prepack, weight, w_qp, bias)
         # the engine's Linear is its 1x1 conv over the rows: the same sums and requantization
         loop = native_conv(weight.unsqueeze(-1), w_qp, bias, _ROWS, engine=self.engine, linear=True)
         return PackedWeight(self.name, (payload, loop))
@@ -171,20 +143,15 @@ class _QuantizedDtypeBackend(Backend):
                relu: bool) -> torch.Tensor:
         payload, loop = packed.payload
         scale, zp = out_qp.scalar()
-        out = None
-        if loop is not None and a.dim() >= 2 and a.shape[-1] and a.is_contiguous() and native.available(loop.family) \
-                and not torch.jit.is_tracing():
-            out = _native_linear(a, loop, scale, zp, relu)
+        out = run_linear(a, loop, scale, zp, relu)
         if out is None:
             out = (_q.linear_relu if relu else _q.linear)(a, payload, scale, zp)
         return _within(out, out_qp)
 
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
-        prepack = _CONV_OPS[spec.dim][0]
-        with quantized_engine(self.engine):
-            payload = prepack(_weight_tensor(weight, w_qp), bias, list(spec.stride), list(spec.padding),
-                              list(spec.dilation), spec.groups)
+        payload = prepack_weight(self.engine, _CONV_OPS[spec.dim][0], weight, w_qp, bias, list(spec.stride),
+                                 list(spec.padding), list(spec.dilation), spec.groups)
         loop = native_conv(weight, w_qp, bias, spec, engine=self.engine)  # the engine's own bytes, on AMX tiles
         return PackedWeight(self.name, (spec.dim, payload, loop))
 
@@ -192,7 +159,7 @@ class _QuantizedDtypeBackend(Backend):
              relu: bool) -> torch.Tensor:
         dim, payload, loop = packed.payload
         scale, zp = out_qp.scalar()
-        out = None if loop is None else _native_conv(a, loop, scale, zp, relu)
+        out = run_conv(a, loop, scale, zp, relu)
         if out is None:
             out = _CONV_OPS[dim][2 if relu else 1](a, payload, scale, zp)
         return _within(out, out_qp)
@@ -212,8 +179,7 @@ class _QuantizedDtypeBackend(Backend):
     def cat(self, values: list[torch.Tensor], qps: list[QParams], qout: QParams, dim: int) -> torch.Tensor:
         scale, zp = qout.scalar()
         if all(same_grid(qp, qout) for qp in qps):  # inputs already on the output's grid: a copy
-            out = native.concat(values, dim, lambda shape: torch._empty_affine_quantized(
-                shape, scale=scale, zero_point=zp, dtype=values[0].dtype))
+            out = native.concat(values, dim, lambda shape: empty_quantized(shape, scale, zp, dtype=values[0].dtype))
             return torch.cat(values, dim) if out is None else out
         return _within(_q.cat(values, dim, scale, zp), qout)
 
@@ -221,8 +187,7 @@ class _QuantizedDtypeBackend(Backend):
                                spec: ConvSpec) -> PackedWeight:
         if as_patches(weight, spec) and w_qp.axis is None:
             rows, tiled = patch_linear(weight, bias, spec)
-            with quantized_engine(self.engine):
-                packed = _q.linear_prepack(_weight_tensor(rows, w_qp), tiled)
+            packed = prepack_weight(self.engine, _q.linear_prepack, rows, w_qp, tiled)
             scale, zp = w_qp.scalar()
             loop = None  # the C loop computes what fbgemm's Linear computes on a VNNI CPU (exact 32-bit sums)
             if self.engine == "fbgemm" and native.loops is not None and has_vnni() and zp == 0:
@@ -232,16 +197,15 @@ class _QuantizedDtypeBackend(Backend):
         if self.engine == "fbgemm" and direct_conv_path(weight, spec):  # its direct kernel is wrong
             weight, bias, keep = with_zero_channel(weight, bias)
         prepack = _q.conv_transpose1d_prepack if spec.dim == 1 else _q.conv_transpose2d_prepack
-        with quantized_engine(self.engine):
-            payload = prepack(_weight_tensor(weight, w_qp), bias, list(spec.stride), list(spec.padding),
-                              list(spec.output_padding), list(spec.dilation), spec.groups)
+        payload = prepack_weight(self.engine, prepack, weight, w_qp, bias, list(spec.stride), list(spec.padding),
+                                 list(spec.output_padding), list(spec.dilation), spec.groups)
         return PackedWeight(self.name, Transposed(spec.dim, payload, keep=keep))
 
     def conv_transpose(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams) -> torch.Tensor:
         t: Transposed = packed.payload
         scale, zp = out_qp.scalar()
         if t.patches:
-            out = _native_patches(a, t, scale, zp)
+            out = run_patches(a, t, scale, zp)
             if out is None:
                 out = depth_to_space(_q.linear(a.movedim(1, -1), t.packed, scale, zp), a, t)
             return _within(out, out_qp)
@@ -272,99 +236,6 @@ class _QuantizedDtypeBackend(Backend):
         return fn(a)
 
 
-def _native_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> torch.Tensor | None:
-    """The upsampler by the C loop (fbgemm's Linear's results, written in place), or None: no loop for this layer or
-    a traced export (it records fbgemm's Linear). An input with strided channels is made channels-last first, as
-    the Linear would."""
-    loop = t.native
-    if loop is None or not native.available("upsample") or torch.jit.is_tracing() or a.dtype != torch.quint8:
-        return None
-    if a.stride(1) != 1 and a.shape[1] > 1:
-        a = a.movedim(1, -1).contiguous().movedim(-1, 1)
-    n, size = a.shape[0], [s * k for s, k in zip(a.shape[2:], t.patches, strict=True)]
-    if t.dim == 1:
-        out = torch._empty_affine_quantized([n, size[0], loop.out_channels], scale=scale, zero_point=zp,
-                                            dtype=torch.quint8).movedim(-1, 1)
-    else:
-        out = torch._empty_affine_quantized([n, loop.out_channels, *size], scale=scale, zero_point=zp,
-                                            dtype=torch.quint8, memory_format=torch.channels_last)
-    factors = requantize_factors(a.q_scale(), loop.weight_scale, scale)
-    kernel = (1, t.patches[0]) if t.dim == 1 else t.patches
-    done = native.patches_into(out, a, loop.weight, loop.column_sums, loop.bias, loop.out_channels, factors,
-                               (a.q_zero_point(), zp), (kernel[0], kernel[1]))
-    return out if done else None
-
-
-def _native_linear(a: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
-    """A Linear on the rows of a contiguous ``a`` by a C loop (the engine's results), or None where the engine's
-    kernel is faster for that many rows (:meth:`NativeConv.takes`) or the loop declines."""
-    rows = a.reshape(-1, a.shape[-1])
-    if not loop.takes(rows.shape[0]):
-        return None
-    if loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
-        tiles = _native_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
-        return None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
-    out = _native_rows(rows, loop, scale, zp, relu)
-    return None if out is None else out.reshape(*a.shape[:-1], loop.out_channels)
-
-
-def _native_rows(rows: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
-    """A Linear on a few ``rows`` by the VNNI row loop (the engine's results), or None on a CPU without VNNI."""
-    if rows.dtype != torch.quint8 or loop.row_weight is None:
-        return None
-    out = torch._empty_affine_quantized([rows.shape[0], loop.out_channels], scale=scale, zero_point=zp,
-                                        dtype=torch.quint8)
-    done = native.linear_rows_into(out, rows, loop.row_weight, loop.column_sums, loop.factors(rows.q_scale(), scale),
-                                   loop.out_channels, (rows.q_zero_point(), zp), relu)
-    return out if done else None
-
-
-def _native_conv(a: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
-    """The conv by the C loop on AMX tiles (the engine's results, channels-last), or None: a traced export (it
-    records the engine's conv), a size where the engine's kernel is faster, or a process without AMX. An input with
-    strided channels (fbgemm's 3-d convs return NCDHW) is made channels-last first, as the engine itself does."""
-    spec = loop.spec
-    if not native.available(loop.family) or torch.jit.is_tracing() or a.dtype != torch.quint8 or \
-            a.dim() != spec.dim + 2:
-        return None
-    kernel = loop.kernel[3 - spec.dim:]
-    size = [(a.shape[2 + i] + 2 * spec.padding[i] - kernel[i]) // spec.stride[i] + 1 for i in range(spec.dim)]
-    positions = a.shape[0] * math.prod(size)
-    if min(size) < 1 or not loop.takes(positions):
-        return None
-    if a.stride(1) != 1 and a.shape[1] > 1:
-        a = a.movedim(1, -1).contiguous().movedim(-1, 1)
-    shape = [a.shape[0], *size, loop.out_channels]  # allocated channels-last, as fbgemm returns its 2-d outputs
-    out = torch._empty_affine_quantized(shape, scale=scale, zero_point=zp, dtype=torch.quint8).movedim(-1, 1)
-    done = native.conv_into(out, a, loop.weight, loop.column_sums, loop.factors(a.q_scale(), scale),
-                            loop.out_channels, (kernel, spec.stride, spec.padding), (a.q_zero_point(), zp), relu)
-    return out if done else None
-
-
-@functools.cache
-def _onednn() -> Backend | None:
-    """The oneDNN backend where this torch build has it (it runs fbgemm's float-output Linears), else None."""
-    from fxquant.kernels.registry import get_backend
-
-    backend = get_backend("onednn")
-    return backend if backend.is_available() else None
-
-
-def _onednn_weight(packed: PackedWeight, backend: Backend) -> PackedWeight:
-    """``packed``'s weight repacked for oneDNN, once (kept on ``packed``; only float-output Linears need it)."""
-    repacked = getattr(packed, "_onednn", None)
-    if repacked is None:
-        weight, bias = packed.payload[0].unpack()
-        if weight.qscheme() in (torch.per_channel_affine, torch.per_channel_symmetric):
-            scale, zero_point = weight.q_per_channel_scales().float(), weight.q_per_channel_zero_points()
-            w_qp = QParams(scale, zero_point, -128, 127, axis=0)
-        else:
-            w_qp = QParams(torch.tensor(weight.q_scale()), torch.tensor(weight.q_zero_point()), -128, 127)
-        repacked = backend.prepack_linear(weight.int_repr(), w_qp, bias)
-        packed._onednn = repacked  # type: ignore[attr-defined]
-    return repacked
-
-
 @register_backend("fbgemm")
 class FbgemmBackend(_QuantizedDtypeBackend):
     """x86 server kernels. Without VNNI (and always for grouped convs) u8*s8 pairs sum in 16 bits, so
@@ -372,23 +243,22 @@ class FbgemmBackend(_QuantizedDtypeBackend):
 
     Float outputs (``linear_to_float``): fbgemm's own float-output Linear
     (``quantized::linear_with_input_q_dq_qweight_dq_output_fp32``) saturates 16-bit pair sums on 8-bit inputs
-    (measured up to ~96 accumulator steps off at 1024x256x64 on a VNNI CPU; exact with 7-bit inputs), so
-    ``linear_to_float`` runs oneDNN's ``qlinear_pointwise`` with a float output on the same integers, where torch
-    has it: exact within float rounding and 1.7-3.5x faster than requantize plus dequantize at BERT shapes. It is
-    not the default (``fuses_float_output`` stays False): ``torch.jit.trace`` cannot take that op, and a traced
-    (exported) model must compute what the eager one does. A model converted for ``onednn`` and re-lowered here
-    uses it; convs keep requantize plus dequantize.
+    (exact with 7-bit inputs; docs/backends.md, "Numerics of the fused ops"), so ``linear_to_float`` runs oneDNN's
+    ``qlinear_pointwise`` with a float output on the same integers, where torch has it
+    (:mod:`~fxquant.kernels.torch_engines.onednn_bridge`): exact within float rounding, and faster than requantize
+    plus dequantize. It is not the default (``fuses_float_output`` stays False): ``torch.jit.trace`` cannot take
+    that op, and a traced (exported) model must compute what the eager one does. A model converted for ``onednn``
+    and re-lowered here uses it; convs keep requantize plus dequantize.
     """
 
     engine = "fbgemm"
 
     def linear_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                         relu: bool) -> torch.Tensor:
-        onednn = _onednn()
+        onednn = onednn_backend()
         if onednn is None or torch.jit.is_tracing():  # TorchScript export cannot take the oneDNN op's arguments:
             return super().linear_to_float(a, packed, in_qp, out_qp, relu=relu)  # exported, it rounds as before
-        integers = a.int_repr() if a.is_quantized else a
-        return onednn.linear_to_float(integers, _onednn_weight(packed, onednn), in_qp, out_qp, relu=relu)
+        return onednn.linear_to_float(stored_integers(a), onednn_weight(packed, onednn), in_qp, out_qp, relu=relu)
 
     def activation_qrange(self, *, feeds_grouped_conv: bool) -> tuple[int, int]:
         if feeds_grouped_conv or not has_vnni():

@@ -1,17 +1,19 @@
 """Transposed convs on fbgemm/qnnpack without fbgemm's broken direct kernel.
 
 fbgemm's direct transposed-conv kernel is wrong in torch 2.13: it writes input row ``i`` to output row ``i`` instead
-of ``i * stride`` and mixes the images of a batch (measured 100+ steps off on most outputs). fxquant never reaches it:
+of ``i * stride`` and mixes the images of a batch (most outputs off by many steps; pinned in
+``tests/kernels/test_fbgemm_qnnpack_pitfalls.py``). fxquant never reaches it:
 
 * a transposed conv whose kernel equals its stride writes one separate kernel-sized patch per input position, so it
   runs as a Linear (C_in -> kernel * C_out) then depth-to-space (U-Net upsamplers). On fbgemm with AVX512-VNNI the
-  C loop ``patches_u8`` (``fxquant/native/_native.c``) computes exactly what fbgemm's Linear computes and writes each
-  patch in place: no depth-to-space copy, 3-6x faster than Linear plus copy at U-Net's shapes (docs/amx.md);
+  C loop ``patches_u8`` (in :mod:`fxquant.native`) computes exactly what fbgemm's Linear computes and writes each
+  patch in place, with no depth-to-space copy (:func:`run_patches`; measured in docs/amx.md);
 * any other conv that would take the direct path gets one zero output channel more, which steers fbgemm to its
   correct im2col kernel; the extra channel is dropped from the output.
 
-This module decides the path and lays out weights and outputs; the quantized kernels themselves are called only in
-:mod:`fxquant.kernels.torch_engines.backends`, the one module that touches torch's quantized dtypes.
+This module decides the path, lays out weights and outputs and runs the patch loop; the engines' kernels are called
+in :mod:`fxquant.kernels.torch_engines.backends`, and the quantized tensors are made in
+:mod:`fxquant.kernels.torch_engines.engine`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from typing import Any
 
 import torch
 
+from fxquant import native
 from fxquant.kernels.base import ConvSpec
+from fxquant.kernels.torch_engines.engine import empty_quantized, grid, is_quint8
 
 
 @dataclass(frozen=True)
@@ -128,3 +132,25 @@ def depth_to_space(out: torch.Tensor, a: torch.Tensor, t: Transposed) -> torch.T
         return out.reshape(n, size[0] * t.patches[0], channels).movedim(-1, 1)
     out = out.reshape(n, size[0], size[1], t.patches[0], t.patches[1], channels).transpose(2, 3)
     return out.reshape(n, size[0] * t.patches[0], size[1] * t.patches[1], channels).movedim(-1, 1)
+
+
+def run_patches(a: torch.Tensor, t: Transposed, scale: float, zp: int) -> torch.Tensor | None:
+    """The upsampler by the C loop (fbgemm's Linear's results, written in place), or None: no loop for this layer or
+    a traced export (it records fbgemm's Linear). An input with strided channels is made channels-last first, as
+    the Linear would."""
+    loop = t.native
+    if loop is None or not native.available("upsample") or torch.jit.is_tracing() or not is_quint8(a):
+        return None
+    if a.stride(1) != 1 and a.shape[1] > 1:
+        a = a.movedim(1, -1).contiguous().movedim(-1, 1)
+    n, size = a.shape[0], [s * k for s, k in zip(a.shape[2:], t.patches, strict=True)]
+    if t.dim == 1:
+        out = empty_quantized([n, size[0], loop.out_channels], scale, zp).movedim(-1, 1)
+    else:
+        out = empty_quantized([n, loop.out_channels, *size], scale, zp, memory_format=torch.channels_last)
+    in_scale, in_zp = grid(a)
+    factors = requantize_factors(in_scale, loop.weight_scale, scale)
+    kernel = (1, t.patches[0]) if t.dim == 1 else t.patches
+    done = native.patches_into(out, a, loop.weight, loop.column_sums, loop.bias, loop.out_channels, factors,
+                               (in_zp, zp), (kernel[0], kernel[1]))
+    return out if done else None
