@@ -1,4 +1,4 @@
-"""fxquant's own oneDNN primitives (``fxquant/kernels/onednn/_dnnl.c`` through ``fxquant.kernels.onednn.direct``)
+"""fxquant's own oneDNN primitives (``fxquant/kernels/onednn/csrc/`` through ``fxquant.kernels.onednn.direct``)
 against the torch
 ops they replace: the same integers out for every geometry the onednn backend runs, fused post-ops, float outputs,
 the conv+add sum, and what happens around them (threads, a full cache, a refused primitive, the off switch).
