@@ -1,7 +1,8 @@
 """Build configuration beyond pyproject.toml: the optional C extensions.
 
-``fxquant.native._native``: C loops (histogram counting, quantize, pooling, mul). ``-ffp-contract=off``: no fused
-multiply-adds, so every float operation rounds where the torch path rounds.
+``fxquant.native._native``: C loops (histogram counting, element-wise int8 ops, VNNI/AMX GEMMs), one source file
+per kernel family under ``fxquant/native/csrc/`` plus ``module.c``, the Python entry points. ``-ffp-contract=off``:
+no fused multiply-adds, so every float operation rounds where the torch path rounds.
 ``fxquant.kernels.onednn._dnnl``: oneDNN primitives called directly (it dlopens the library at run time; nothing
 to link).
 ``optional=True``: where no C compiler is available the install still succeeds and fxquant uses its torch paths
@@ -13,8 +14,12 @@ import sys
 from setuptools import Extension, setup
 
 POSIX = sys.platform != "win32"
-extensions = [Extension("fxquant.native._native", ["fxquant/native/_native.c"], optional=True,
-                        libraries=["m"] if POSIX else [], extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off"])]
+NATIVE_SOURCES = [f"fxquant/native/csrc/{name}.c"
+                  for name in ("module", "histogram", "elementwise", "amx_gemm", "patches")]
+NATIVE_HEADERS = ["fxquant/native/csrc/native.h", "fxquant/native/csrc/gemm.h"]
+extensions = [Extension("fxquant.native._native", NATIVE_SOURCES, depends=NATIVE_HEADERS,
+                        optional=True, libraries=["m"] if POSIX else [],
+                        extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off"])]
 if POSIX:
     dnnl_sources = [f"fxquant/kernels/onednn/csrc/{name}.c" for name in ("module", "loader", "primitive")]
     extensions.append(Extension("fxquant.kernels.onednn._dnnl", dnnl_sources, optional=True, libraries=["dl"],

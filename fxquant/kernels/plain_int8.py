@@ -102,12 +102,12 @@ def window_max(a: torch.Tensor, dim: int, kwargs: dict[str, Any]) -> torch.Tenso
 
 
 def _native_quantize(x: torch.Tensor, qp: QParams, channels_last: bool) -> torch.Tensor | None:
-    """``qparams.quantize`` by the C loop (one read, one write per value; ``fxquant/native/_native.c``), or None where
-    it does not apply: no C loop, not float32 on the CPU, per-channel, or memory that is neither contiguous nor (4-d)
-    channels-last. A contiguous NCHW input becomes channels-last in the same pass (1x3x224x224, one thread: 103 us,
-    against 335 us for the torch path, of which torch's NCHW -> NHWC copy of the 3-channel result alone is 80 us)."""
-    loops = native.loops_for()
-    if (loops is None or x.dtype != torch.float32 or x.device.type != "cpu" or qp.per_channel
+    """``qparams.quantize`` by the C loop (one read, one write per value; ``fxquant/native/csrc/elementwise.c``), or
+    None where it does not apply: no C loop, not float32 on the CPU, per-channel, or memory that is neither contiguous
+    nor (4-d) channels-last. A contiguous NCHW input becomes channels-last in the same pass (1x3x224x224, one
+    thread: 103 us, against 335 us for the torch path, of which torch's NCHW -> NHWC copy of the 3-channel result
+    alone is 80 us)."""
+    if (not native.available() or x.dtype != torch.float32 or x.device.type != "cpu" or qp.per_channel
             or qp.dtype not in (torch.uint8, torch.int8) or x.numel() == 0):
         return None
     scale, zero_point = qp.scalar()
@@ -118,10 +118,7 @@ def _native_quantize(x: torch.Tensor, qp: QParams, channels_last: bool) -> torch
         return None
     layout = torch.channels_last if channels_last else torch.contiguous_format
     out = torch.empty_like(x, dtype=qp.dtype, memory_format=layout)
-    outer, channels = (x.shape[0], x.shape[1]) if to_nhwc else (1, 1)
-    loops.quantize_f32(x.data_ptr(), out.data_ptr(), outer, channels, x.numel() // max(outer * channels, 1),
-                              scale, zero_point, qp.qmin, qp.qmax, qp.dtype == torch.int8, to_nhwc)
-    return out
+    return native.quantize_into(out, x, native.QuantizeParams(scale, zero_point, qp.qmin, qp.qmax), to_nhwc=to_nhwc)
 
 
 def _flat_stride(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
@@ -150,17 +147,14 @@ def _native_global_mean(a: torch.Tensor, qp: QParams, output_size: Any) -> torch
     1x64x1x3 (a classifier head), 61 vs 179 us at 1x96x56x56 (an SE block) against the torch path's passes."""
     ones = (1,) * (a.dim() - 2)
     pools_to_one = output_size == 1 if isinstance(output_size, int) else tuple(output_size) == ones
-    loops = native.loops_for()
-    if (loops is None or not pools_to_one or a.dtype != torch.uint8
+    if (not native.available() or not pools_to_one or a.dtype != torch.uint8
             or a.device.type != "cpu" or qp.per_channel or a.dim() < 3 or a.numel() == 0):
         return None
     strides, positions = _three_strides(a), math.prod(a.shape[2:])
     if strides is None or positions > _MEAN_POSITIONS:
         return None
     out = torch.empty((a.shape[0], a.shape[1], *ones), dtype=torch.uint8)
-    loops.mean_u8(a.data_ptr(), out.data_ptr(), a.shape[0], a.shape[1], positions, *strides, qp.scalar()[1],
-                         qp.qmin, qp.qmax)
-    return out
+    return native.channel_means_into(out, a, strides, native.ByteLevels(qp.scalar()[1], qp.qmin, qp.qmax))
 
 
 def _native_mul(a: torch.Tensor, b: torch.Tensor, qps: tuple[QParams, QParams, QParams],
@@ -170,8 +164,7 @@ def _native_mul(a: torch.Tensor, b: torch.Tensor, qps: tuple[QParams, QParams, Q
     does not apply: no C loop, other dtypes or shapes, per-channel qparams, positions not evenly spaced. An SE
     gate at 1x96x56x56 channels-last, one thread: 0.16 ms against 0.68 ms for the seven torch passes."""
     qa, qb, qout = qps
-    loops = native.loops_for()
-    if (loops is None or a.dtype != torch.uint8 or b.dtype != torch.uint8 or qout.dtype != torch.uint8
+    if (not native.available() or a.dtype != torch.uint8 or b.dtype != torch.uint8 or qout.dtype != torch.uint8
             or dtype not in (torch.float32, torch.float64) or a.dim() < 3 or b.dim() != a.dim()
             or any(qp.per_channel for qp in qps) or a.device.type != "cpu" or b.device.type != "cpu"
             or torch.broadcast_shapes(a.shape, b.shape) != a.shape or b.shape[:2] != a.shape[:2]):
@@ -188,9 +181,8 @@ def _native_mul(a: torch.Tensor, b: torch.Tensor, qps: tuple[QParams, QParams, Q
     if rows[0][1] < rows[0][2]:  # channels-last: rows of channels, one per position
         dims, rows = (dims[0], dims[2], dims[1]), [(s[0], s[2], s[1]) for s in rows]
     (sa, za), (sb, zb), (so, zo) = qa.scalar(), qb.scalar(), qout.scalar()
-    loops.mul_u8(a.data_ptr(), b.data_ptr(), out.data_ptr(), dims, rows[0], rows[1], rows[2], za, zb, zo,
-                        qout.qmin, qout.qmax, sa * sb / so, dtype == torch.float64)
-    return out
+    requant = native.MulRequant(za, zb, zo, qout.qmin, qout.qmax, sa * sb / so, dtype == torch.float64)
+    return native.mul_into(out, a, b, native.MulLayout(dims, rows[0], rows[1], rows[2]), requant)
 
 
 class PlainInt8Backend(Backend):

@@ -1,24 +1,44 @@
-def set_isa_cap(level: int) -> None: ...
-def scan_f32(x_ptr: int, n: int, start: float, top: float, scale: float, offset: float, counts_ptr: int,
-             slots: int) -> tuple[float, float, bool]: ...
-def quantize_f32(x_ptr: int, out_ptr: int, outer: int, channels: int, inner: int, scale: float, zero_point: int,
-                 qmin: int, qmax: int, signed_out: bool, to_nhwc: bool) -> None: ...
-def mean_u8(x_ptr: int, out_ptr: int, outer: int, channels: int, inner: int, s_outer: int, s_channel: int,
-            s_inner: int, zero_point: int, qmin: int, qmax: int) -> None: ...
-def mul_u8(a_ptr: int, b_ptr: int, out_ptr: int, shape: tuple[int, int, int], a_strides: tuple[int, int, int],
-           b_strides: tuple[int, int, int], out_strides: tuple[int, int, int], za: int, zb: int, zo: int, qmin: int,
-           qmax: int, k: float, wide: bool) -> None: ...
-def lookup_u8(src_ptr: int, dst_ptr: int, n: int, table_ptr: int) -> None: ...
-def patches_u8(x_ptr: int, dims: tuple[int, int, int], x_strides: tuple[int, int, int], in_channels: int,
-               w_ptr: int, column_sums_ptr: int, bias_ptr: int, n_pad: int, out_channels: int, rcp: float,
-               multiplier: float, zx: int, zo: int, out_ptr: int, out_strides: tuple[int, int, int],
-               kernel: tuple[int, int]) -> bool: ...
-def copy_rows(src_ptr: int, src_stride: int, dst_ptr: int, dst_stride: int, rows: int, width: int) -> None: ...
-def conv_u8(x_ptr: int, dims: tuple[int, int, int, int, int], x_strides: tuple[int, int, int, int],
-            kernel: tuple[int, int, int], stride: tuple[int, int, int], padding: tuple[int, int, int], w_ptr: int,
-            column_sums_ptr: int, int_bias_ptr: int, bias_ptr: int, multipliers_ptr: int, c_pad: int, n_pad: int,
-            out_channels: int, zx: int, zo: int, relu: bool, out_ptr: int, out_size: tuple[int, int, int],
-            out_strides: tuple[int, int, int, int]) -> bool: ...
-def linear_rows_u8(x_ptr: int, rows: int, x_stride: int, in_channels: int, w_ptr: int, column_sums_ptr: int,
-                   int_bias_ptr: int, bias_ptr: int, multipliers_ptr: int, n_pad: int, out_channels: int, zx: int,
-                   zo: int, relu: bool, out_ptr: int, out_stride: int) -> bool: ...
+# The entry points of fxquant.native._native (fxquant/native/csrc/module.c), argument for argument: a tuple per C
+# struct of csrc/native.h, its fields in order (the wrappers pass the NamedTuples of the same names). Pointers are
+# data_ptr() integers. tests/native/test_native_stub.py checks every signature here against module.c's PyArg_ParseTuple
+# format strings. Only the typed wrappers in fxquant/native/ call these.
+
+_Triple = tuple[int, int, int]
+_Quad = tuple[int, int, int, int]
+
+# histogram.c
+_HistogramGrid = tuple[float, float, int]  # start, top, bins
+
+# elementwise.c
+_Planes = tuple[int, int, int]  # outer, channels, inner
+_PlaneStrides = tuple[int, int, int]  # outer, channel, inner (elements)
+_QuantizeParams = tuple[float, int, int, int]  # scale, zero_point, qmin, qmax
+_ByteLevels = tuple[int, int, int]  # zero_point, qmin, qmax
+_Bytes3 = tuple[int, _Triple]  # data, strides (elements)
+_MulRequant = tuple[int, int, int, int, int, float, bool]  # za, zb, zo, qmin, qmax, factor, wide
+_ByteRows = tuple[int, int]  # data, stride (bytes)
+
+# amx_gemm.c, patches.c
+_GemmWeights = tuple[int, int, int, int, int, int, int, int]  # w, colsum, int_bias, bias, multipliers, sizes (3)
+_Requant = tuple[int, int, bool]  # zx, zo, relu
+_ConvInput = tuple[int, tuple[int, int, int, int, int], _Quad]  # data, (N, D, H, W, C), strides (bytes)
+_ConvWindow = tuple[_Triple, _Triple, _Triple]  # kernel, stride, padding
+_ConvOutput = tuple[int, _Triple, _Quad]  # data, (Do, Ho, Wo), strides (bytes)
+_PatchInput = tuple[int, _Triple, _Triple]  # data, (N, H, W), strides (bytes)
+_PatchWeights = tuple[int, int, int, int, int, int]  # w, colsum, bias, in_channels, n_pad, out_channels
+_PatchRequant = tuple[float, float, int, int]  # rcp, multiplier, zx, zo
+_PatchOutput = tuple[int, _Triple]  # data, strides (bytes)
+
+def set_isa_cap(level: int, /) -> None: ...
+def scan_f32(x_ptr: int, n: int, grid: _HistogramGrid, counts_ptr: int, /) -> tuple[float, float, bool]: ...
+def quantize_f32(x_ptr: int, out_ptr: int, shape: _Planes, params: _QuantizeParams, signed_out: bool,
+                 to_nhwc: bool, /) -> None: ...
+def mean_u8(x_ptr: int, out_ptr: int, shape: _Planes, strides: _PlaneStrides, levels: _ByteLevels, /) -> None: ...
+def mul_u8(shape: _Triple, a: _Bytes3, b: _Bytes3, out: _Bytes3, requant: _MulRequant, /) -> None: ...
+def lookup_u8(src_ptr: int, dst_ptr: int, n: int, table_ptr: int, /) -> None: ...
+def copy_rows(src: _ByteRows, dst: _ByteRows, rows: int, width: int, /) -> None: ...
+def linear_rows_u8(x: _ByteRows, rows: int, weights: _GemmWeights, requant: _Requant, out: _ByteRows, /) -> bool: ...
+def conv_u8(x: _ConvInput, window: _ConvWindow, weights: _GemmWeights, requant: _Requant, out: _ConvOutput,
+            /) -> bool: ...
+def patches_u8(x: _PatchInput, weights: _PatchWeights, requant: _PatchRequant, out: _PatchOutput,
+               kernel: tuple[int, int], /) -> bool: ...

@@ -4,9 +4,9 @@ An activation with no int8 kernel (SiLU, hardswish, GELU, Mish, ELU, ...) betwee
 the function in float, quantize: three passes over the tensor, two of them in float32. Its input has only 256
 possible bytes, so its output is a function of the byte: ``QuantizedLookup`` computes that function once per
 byte at convert time, with the backend's own dequantize, the float function and the backend's own quantize (the same
-operations the unfused graph runs), and applies it in one byte-to-byte pass (``fxquant/native/_native.c``: 64 bytes per
-AVX512-VBMI step). One thread, a 1x96x112x112 map: SiLU alone takes 315 us in float32, the table 73 us; an
-EfficientNet-style net on fbgemm at batch 1 runs in 16.8-17.2 ms with its SiLUs as tables, 25.9-26.3 ms without.
+operations the unfused graph runs), and applies it in one byte-to-byte pass (``fxquant/native/csrc/elementwise.c``:
+64 bytes per AVX512-VBMI step). One byte pass instead of three passes, two in float32, is why SiLU-heavy convnets
+gain from it (measured in docs/quantization.md, "Activations as table lookups").
 
 The results are the unfused graph's except where float32 evaluation of the function itself differs by an ulp
 between torch's vectorized loop and its scalar tail, which moves a value across a rounding boundary: at most one

@@ -1,10 +1,9 @@
 """The histogram observers' hot loop: add the per-bin counts of a batch to a stored histogram.
 
 This runs once per observer per calibration batch over every activation value, so it is written for speed on the
-CPU threads calibration usually gets (one to four). The fast path is a C loop (``fxquant/native/_native.c``, built at
-install
-time when a C compiler is there): range and counts in one read of the batch, ~0.8 ns per value on one thread against
-~2.4 ns for the torch path below (1M-value Linear and GELU outputs just out of a GEMM, 2-vCPU Sapphire Rapids).
+CPU threads calibration usually gets (one to four). The fast path is a C loop (``fxquant/native/csrc/histogram.c``,
+built at install time when a C compiler is there): range and counts in one read of the batch, where the torch path
+below takes several passes (per-value costs: docs/calibration.md, "What an update costs").
 
 The torch path (no compiler, float64 data): per value, one fused scale-and-shift into a float scratch buffer (three
 ops on a grid that starts below zero, see below), one conversion to int16 bin indices and one ``torch.bincount``.
@@ -19,9 +18,8 @@ bins) equal counting all the data at once on the final grid, bit for bit
 (``tests/observers/test_histogram_exact_merge.py``, with ``torch.equal``). The C loop floors, then subtracts ``k``
 as integers. The torch path does the same where the grid starts below zero; from a start at or above zero, one
 fused ``x / width - k`` is already exact (``y = x / width >= k``, so ``y - k`` is a multiple of ``y``'s ulp no
-larger than ``y``: representable) and saves two passes. Before the C loop, the torch path ran the fused op on
-every grid and let a value within ``bins * 2**-24`` bins of an edge move one bin on grids with a negative start (2
-of ~3,000 values in 3% of random sharded runs), because flooring first cost +20-25% there; now it is the fallback.
+larger than ``y``: representable) and saves two passes. On a grid with a negative start the fused op is not
+exact (a value within ``bins * 2**-24`` bins of an edge can move one bin), so there the torch path floors first.
 
 The ``torch.histc`` path (more than four threads; without the C loop more than two, or more than 32,767 bins; or not
 on the CPU) has its own rounding.
@@ -72,14 +70,13 @@ def _native_scan(flat: torch.Tensor, grid: Grid) -> tuple[float, float, torch.Te
     """:func:`scan` by the C loop; the counts are a per-thread scratch buffer, valid until the next call."""
     start, width, bins = grid
     counts = scratch("histogram counts", bins, torch.float64)
-    assert native.loops is not None and flat.is_contiguous() and flat.dtype == torch.float32
-    lo, hi, on_grid = native.loops.scan_f32(flat.data_ptr(), flat.numel(), start, start + bins * width,
-                                            counts.data_ptr(), bins)
+    lo, hi, on_grid = native.scan_into(counts, flat, start, start + bins * width)
     return lo, hi, counts if on_grid else None
 
 
 def _use_bincount(x: torch.Tensor, bins: int) -> bool:
-    """``torch.histc`` is parallel but ~3 ns per value per thread; bincount on int16 indices is ~3x faster."""
+    """Up to two threads, bincount on int16 indices beats the parallel but slower-per-value ``torch.histc``
+    (docs/calibration.md, "What an update costs")."""
     return torch.get_num_threads() <= 2 and bins <= _INT16_BINS and x.device.type == "cpu"
 
 

@@ -15,6 +15,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -278,14 +279,15 @@ class _SmallNet(nn.Module):
 
 
 class _CountingLoops:
-    """Stands in for ``native.loops``: counts every call into the C extension."""
+    """Counts every call into the C extension, whoever makes it: each of its functions is wrapped in place."""
 
-    def __init__(self, loops: object) -> None:
-        self.loops, self.calls = loops, []
+    def __init__(self, extension: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        for name, fn in vars(extension).items():
+            if isinstance(fn, types.BuiltinFunctionType):
+                monkeypatch.setattr(extension, name, self._counted(name, fn))
 
-    def __getattr__(self, name: str) -> object:
-        fn = getattr(self.loops, name)
-
+    def _counted(self, name: str, fn: Callable[..., object]) -> Callable[..., object]:
         def counted(*args: object) -> object:
             self.calls.append(name)
             return fn(*args)
@@ -303,8 +305,7 @@ def test_at_eight_threads_no_one_thread_loop_runs_and_outputs_stay(backend: str,
     fxquant.calibrate(prepared, [torch.randn(4, 3, 8, 8) for _ in range(2)], progress=False)
     qmodel = fxquant.convert(prepared, backend=backend)
     x = torch.randn(2, 3, 8, 8)
-    counter = _CountingLoops(native.loops)
-    monkeypatch.setattr(native, "loops", counter)
+    counter = _CountingLoops(native.loader.extension, monkeypatch)
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(8)

@@ -1,5 +1,5 @@
-"""The C counting loop (``fxquant/native/_native.c``) against exact float64 bins and the pure-torch path, edge cases
-included.
+"""The C counting loop (``fxquant/native/csrc/histogram.c``) against exact float64 bins and the pure-torch path, edge
+cases included.
 
 The torch path is the one a machine without a C compiler runs: the histogram observers' results must not depend on
 which one counted.
@@ -97,7 +97,7 @@ def test_grids_not_exact_in_float32_are_refused() -> None:
     out = torch.zeros(16, dtype=torch.float64)
     x = torch.rand(100)
     with pytest.raises(ValueError, match="exact in float32"):
-        native.loops.scan_f32(x.data_ptr(), x.numel(), 0.1, 1.7, out.data_ptr(), 16)
+        native.scan_into(out, x, 0.1, 1.7)
 
 
 def test_count_into_adds_to_the_histogram_and_refuses_values_off_the_grid() -> None:

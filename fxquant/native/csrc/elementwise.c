@@ -1,0 +1,253 @@
+/* The element-wise loops on int8 activations, each the torch path's arithmetic in one pass:
+ *
+ * quantize_f32: float32 -> uint8/int8 activations (fxquant/kernels/plain_int8.py), optionally NCHW -> NHWC.
+ * mean_u8: the global average pool of uint8 activations (fxquant/kernels/plain_int8.py), in integers.
+ * mul_u8: the product of two uint8 activations (an SE gate), rounded once (fxquant/kernels/plain_int8.py).
+ * lookup_u8: a 256-entry table applied to every byte (an element-wise function of int8 values, fxquant/nn/lookup.py).
+ * copy_rows: rows of bytes between two strided layouts (a channel concat of channels-last activations).
+ *
+ * Arguments arrive checked (module.c); every function here runs without the GIL.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+/* round(v) half to even for |v| <= 2**22 in the default rounding mode, without SSE4.1's roundps: adding and
+ * subtracting 1.5 * 2**23 leaves no fraction bits (the compiler may not fold it: no -ffast-math). */
+static inline float round_even(float v) {
+    const float magic = 12582912.0f;
+    return (v + magic) - magic;
+}
+
+/* q = clamp(round(x / scale) + zero_point, qmin, qmax), as fxquant.qparams.quantize computes it in float32. The
+ * quotient is first clamped to one step beyond the range (so rounding stays exact and NaN becomes qmin), then rounded
+ * and clamped to it: the same result for every finite x. */
+static inline float quantized(float x, float scale, float lo, float hi) {
+    float v = x / scale;
+    v = v > lo - 1.0f ? v : lo - 1.0f;
+    v = v < hi + 1.0f ? v : hi + 1.0f;
+    v = round_even(v);
+    v = v > lo ? v : lo;
+    return v < hi ? v : hi;
+}
+
+#define QUANT_BLOCK 256
+
+/* The loops of quantize_f32 (below). */
+VECTOR_CLONES static void quantize_loop(const float *x, void *out, int64_t outer, int64_t channels, int64_t inner,
+                                        float scale, float lo, float hi, int zp, int signed_out, int to_nhwc) {
+    uint8_t *out_u8 = (uint8_t *)out;
+    int8_t *out_s8 = (int8_t *)out;
+    if (!to_nhwc) {
+        const int64_t total = outer * channels * inner;
+        if (signed_out)
+            for (int64_t i = 0; i < total; i++) out_s8[i] = (int8_t)((int)quantized(x[i], scale, lo, hi) + zp);
+        else
+            for (int64_t i = 0; i < total; i++) out_u8[i] = (uint8_t)((int)quantized(x[i], scale, lo, hi) + zp);
+        return;
+    }
+    float block[QUANT_BLOCK];
+    for (int64_t n = 0; n < outer; n++) {
+        for (int64_t begin = 0; begin < inner; begin += QUANT_BLOCK) {
+            const int64_t len = inner - begin < QUANT_BLOCK ? inner - begin : QUANT_BLOCK;
+            const int64_t base = (n * inner + begin) * channels;
+            for (int64_t c = 0; c < channels; c++) {
+                const float *src = x + (n * channels + c) * inner + begin;
+                for (int64_t i = 0; i < len; i++) block[i] = quantized(src[i], scale, lo, hi);
+                if (signed_out)
+                    for (int64_t i = 0; i < len; i++) out_s8[base + i * channels + c] = (int8_t)((int)block[i] + zp);
+                else
+                    for (int64_t i = 0; i < len; i++) out_u8[base + i * channels + c] = (uint8_t)((int)block[i] + zp);
+            }
+        }
+    }
+}
+
+/* x: outer * channels * inner dense float32 values in that order (NCHW: outer = N, inner = H * W); out: as many
+ * uint8 (signed_out: int8) values, in the same order, or with to_nhwc in outer * inner * channels order (NHWC,
+ * i.e. torch.channels_last memory). One read and one write per value, where torch needs a pass per step and a
+ * separate NCHW -> NHWC copy. */
+void fxq_quantize_f32(const float *x, void *out, const Planes *shape, const QuantizeParams *q, int signed_out,
+                      int to_nhwc) {
+    const float fscale = (float)q->scale, lo = (float)(q->qmin - q->zero_point), hi = (float)(q->qmax - q->zero_point);
+    quantize_loop(x, out, shape->outer, shape->channels, shape->inner, fscale, lo, hi, (int)q->zero_point, signed_out,
+                  to_nhwc);
+}
+
+/* round_half_even(total / count) for count > 0, in integers (floor division, then the remainder decides). */
+static inline int64_t divide_half_even(int64_t total, int64_t count) {
+    int64_t q = total / count, r = total % count;
+    if (r < 0) {
+        q -= 1;
+        r += count;
+    }
+    if (2 * r > count || (2 * r == count && (q & 1))) q += 1;
+    return q;
+}
+
+/* The loops of mean_u8 (below). sums: channels counters. */
+VECTOR_CLONES static void mean_loop(const uint8_t *x, uint8_t *out, uint32_t *sums, int64_t outer, int64_t channels,
+                                    int64_t inner, int64_t s_outer, int64_t s_channel, int64_t s_inner, int zp,
+                                    int qmin, int qmax) {
+    for (int64_t n = 0; n < outer; n++) {
+        const uint8_t *base = x + n * s_outer;
+        memset(sums, 0, (size_t)channels * sizeof(uint32_t));
+        if (s_channel == 1) /* channels-last: each position's channels are adjacent */
+            for (int64_t i = 0; i < inner; i++) {
+                const uint8_t *row = base + i * s_inner;
+                for (int64_t c = 0; c < channels; c++) sums[c] += row[c];
+            }
+        else
+            for (int64_t c = 0; c < channels; c++) {
+                const uint8_t *plane = base + c * s_channel;
+                uint32_t total = 0;
+                for (int64_t i = 0; i < inner; i++) total += plane[i * s_inner];
+                sums[c] = total;
+            }
+        for (int64_t c = 0; c < channels; c++) {
+            int64_t v = divide_half_even((int64_t)sums[c] - inner * zp, inner) + zp;
+            out[n * channels + c] = (uint8_t)(v < qmin ? qmin : v > qmax ? qmax : v);
+        }
+    }
+}
+
+/* x: uint8 values at x[n * s.outer + c * s.channel + i * s.inner] (strides in elements); out: outer * channels dense
+ * uint8, out[n, c] = clamp(round_half_even(mean_i(x[n, c, i]) - zero_point) + zero_point, qmin, qmax): the rounded
+ * mean of the centered integers, as fxquant's adaptive average pool defines it, computed exactly (a 32-bit sum per
+ * channel, one division) where torch needs a float copy, the pool and four passes of requantization. */
+int fxq_mean_u8(const uint8_t *x, uint8_t *out, const Planes *shape, const PlaneStrides *strides,
+                const ByteLevels *levels) {
+    uint32_t *sums = (uint32_t *)malloc((size_t)shape->channels * sizeof(uint32_t));
+    if (sums == NULL) return -1;
+    mean_loop(x, out, sums, shape->outer, shape->channels, shape->inner, strides->outer, strides->channel,
+              strides->inner, (int)levels->zero_point, (int)levels->qmin, (int)levels->qmax);
+    free(sums);
+    return 0;
+}
+
+/* The loops of mul_u8 (below): float32 or float64 arithmetic, as PlainInt8Backend.mul does it.
+ * Rows along the last dimension; the two common rows get unit-stride loops the compiler vectorizes: all three tensors
+ * dense along the row (channels-last, or same-shape operands), or b constant along it (an SE gate on NCHW). */
+#define MUL_VALUE(REAL, RINT, VA, VB)                                                                                \
+    do {                                                                                                             \
+        REAL v_ = RINT((REAL)((int)(VA) - za) * ((REAL)((int)(VB) - zb) * factor));                                 \
+        v_ = v_ > lo ? v_ : lo;                                                                                      \
+        v_ = v_ < hi ? v_ : hi;                                                                                      \
+        value = (uint8_t)((int)v_ + zo);                                                                             \
+    } while (0)
+#define MUL_LOOP(NAME, REAL, RINT)                                                                                   \
+    VECTOR_CLONES static void NAME(const uint8_t *a, const uint8_t *b, uint8_t *out, const int64_t *shape,          \
+                                   const int64_t *sa, const int64_t *sb, const int64_t *so, int za, int zb, int zo,  \
+                                   int qmin, int qmax, double k) {                                                  \
+        const REAL factor = (REAL)k, lo = (REAL)(qmin - zo), hi = (REAL)(qmax - zo);                                 \
+        const int64_t len = shape[2];                                                                                \
+        uint8_t value;                                                                                               \
+        for (int64_t n = 0; n < shape[0]; n++)                                                                       \
+            for (int64_t r = 0; r < shape[1]; r++) {                                                                 \
+                const uint8_t *pa = a + n * sa[0] + r * sa[1], *pb = b + n * sb[0] + r * sb[1];                     \
+                uint8_t *po = out + n * so[0] + r * so[1];                                                           \
+                if (sa[2] == 1 && sb[2] == 1 && so[2] == 1) {                                                        \
+                    for (int64_t i = 0; i < len; i++) {                                                              \
+                        MUL_VALUE(REAL, RINT, pa[i], pb[i]);                                                         \
+                        po[i] = value;                                                                               \
+                    }                                                                                                \
+                } else if (sa[2] == 1 && sb[2] == 0 && so[2] == 1) {                                                 \
+                    const uint8_t gate = pb[0];                                                                      \
+                    for (int64_t i = 0; i < len; i++) {                                                              \
+                        MUL_VALUE(REAL, RINT, pa[i], gate);                                                          \
+                        po[i] = value;                                                                               \
+                    }                                                                                                \
+                } else {                                                                                             \
+                    for (int64_t i = 0; i < len; i++) {                                                              \
+                        MUL_VALUE(REAL, RINT, pa[i * sa[2]], pb[i * sb[2]]);                                         \
+                        po[i * so[2]] = value;                                                                       \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+    }
+MUL_LOOP(mul_loop_f32, float, rintf)
+MUL_LOOP(mul_loop_f64, double, rint)
+
+/* Element [n, r, i] of each uint8 tensor lies at data[n * stride[0] + r * stride[1] + i * stride[2]] (strides in
+ * elements; 0 where b is broadcast, e.g. an SE gate of shape (N, C, 1, 1)); the caller puts the dimension with the
+ * smallest strides last (channels for channels-last tensors). out = clamp(rint((a - za) * ((b - zb) * factor)) + zo,
+ * qmin, qmax), each product rounded in float32 (float64 if wide) in that order, factor rounded to that type first:
+ * the operations fxquant's torch path runs, so the results are the same bits, in one pass instead of seven. */
+void fxq_mul_u8(const int64_t shape[3], const Bytes3 *a, const Bytes3 *b, const Bytes3 *out, const MulRequant *r) {
+    if (r->wide)
+        mul_loop_f64(a->data, b->data, out->data, shape, a->stride, b->stride, out->stride, (int)r->za, (int)r->zb,
+                     (int)r->zo, (int)r->qmin, (int)r->qmax, r->factor);
+    else
+        mul_loop_f32(a->data, b->data, out->data, shape, a->stride, b->stride, out->stride, (int)r->za, (int)r->zb,
+                     (int)r->zo, (int)r->qmin, (int)r->qmax, r->factor);
+}
+
+/* dst[i] = table[src[i]] over n bytes. With AVX512-VBMI, 64 bytes per step: two 128-entry permutes (the index's low
+ * seven bits pick within each half of the table) and a blend on its top bit; elsewhere one byte at a time (still one
+ * pass where dequantize -> function -> quantize takes three). */
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,avx512bw,avx512vbmi"))) static void lookup_vbmi(const uint8_t *src, uint8_t *dst,
+                                                                              int64_t n, const uint8_t *table) {
+    const __m512i t0 = _mm512_loadu_si512(table), t1 = _mm512_loadu_si512(table + 64),
+                  t2 = _mm512_loadu_si512(table + 128), t3 = _mm512_loadu_si512(table + 192);
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const __m512i x = _mm512_loadu_si512(src + i);
+        const __m512i low = _mm512_permutex2var_epi8(t0, x, t1), high = _mm512_permutex2var_epi8(t2, x, t3);
+        _mm512_storeu_si512(dst + i, _mm512_mask_blend_epi8(_mm512_movepi8_mask(x), low, high));
+    }
+    for (; i < n; i++)
+        dst[i] = table[src[i]];
+}
+#define HAVE_VBMI_LOOKUP 1
+#endif
+
+void fxq_lookup_u8(const uint8_t *src, uint8_t *dst, int64_t n, const uint8_t *table) {
+#ifdef HAVE_VBMI_LOOKUP
+    if (fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512vbmi"))
+        lookup_vbmi(src, dst, n, table);
+    else
+#endif
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = table[src[i]];
+}
+
+/* rows rows of width bytes. A channel concat of channels-last activations is one such copy per input (rows: the
+ * pixels, width: its channels), where torch's cat interleaves the inputs one element at a time. With AVX512-BW one
+ * masked 64-byte move per row up to 64 bytes, 64-byte steps beyond. */
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,avx512bw"))) static void copy_rows_avx512(const uint8_t *src, int64_t ss, uint8_t *dst,
+                                                                          int64_t ds, int64_t rows, int64_t width) {
+    const int64_t full = width / 64, tail = width % 64;
+    const __mmask64 mask = tail ? (((__mmask64)1 << tail) - 1) : 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *s = src + r * ss;
+        uint8_t *d = dst + r * ds;
+        for (int64_t j = 0; j < full; j++)
+            _mm512_storeu_si512(d + 64 * j, _mm512_loadu_si512(s + 64 * j));
+        if (tail)
+            _mm512_mask_storeu_epi8(d + 64 * full, mask, _mm512_maskz_loadu_epi8(mask, s + 64 * full));
+    }
+}
+#define HAVE_AVX512_COPY 1
+#endif
+
+void fxq_copy_rows(const ByteRows *src_rows, const ByteRows *dst_rows, int64_t rows, int64_t width) {
+    const uint8_t *src = src_rows->data;
+    uint8_t *dst = dst_rows->data;
+    const int64_t ss = src_rows->stride, ds = dst_rows->stride;
+#ifdef HAVE_AVX512_COPY
+    if (fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw"))
+        copy_rows_avx512(src, ss, dst, ds, rows, width);
+    else
+#endif
+        for (int64_t r = 0; r < rows; r++)
+            memcpy(dst + r * ds, src + r * ss, (size_t)width);
+}

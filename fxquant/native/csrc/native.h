@@ -1,0 +1,184 @@
+/* fxquant.native._native: what the kernel files share with module.c.
+ *
+ * module.c parses and checks every entry point's arguments into the structs below, and holds the GIL; the kernel
+ * files compute on checked arguments without Python (and with the GIL released):
+ *   histogram.c   scan_f32, the histogram observers' counting (fxquant/observers/counting.py)
+ *   elementwise.c quantize_f32, mean_u8, mul_u8, lookup_u8, copy_rows (fxquant/native/elementwise.py)
+ *   amx_gemm.c    conv_u8, linear_rows_u8: int8 GEMMs on AMX and AVX512-VNNI (fxquant/native/amx_gemm.py)
+ *   patches.c     patches_u8: a kernel == stride transposed conv on AVX512-VNNI and AMX (the same wrappers)
+ * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share)
+ * Each struct is one Python tuple of the same fields in the same order (fxquant/native/_native.pyi), and each kernel
+ * gives the bytes of the torch or engine path it replaces (the tests compare them with torch.equal). setup.py
+ * builds with -ffp-contract=off: no fused multiply-adds, so each float operation rounds where torch's does.
+ */
+#ifndef FXQUANT_NATIVE_H
+#define FXQUANT_NATIVE_H
+
+#include <stdint.h>
+
+#if defined(__GNUC__)
+#define FXQ_INTERNAL __attribute__((visibility("hidden"))) /* shared between the files, not exported by the .so */
+#else
+#define FXQ_INTERNAL
+#endif
+
+/* The hot element-wise loops get AVX2 and AVX-512 clones, one chosen at load for this CPU (the default clone runs
+ * anywhere): the same operations, each rounded the same way, so results do not depend on the clone. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* The instruction sets the loops may use, capped by FXQUANT_ISA (fxquant.native.isa, set once by fxquant.native
+ * through set_isa_cap): 0 AVX2, 1 AVX512, 2 AVX512-VNNI, 3 AMX. A loop runs where both the cap and the CPU allow
+ * it. Defined in module.c. */
+enum { ISA_AVX2, ISA_AVX512, ISA_VNNI, ISA_AMX };
+FXQ_INTERNAL extern int fxq_isa_cap;
+
+/* ---- histogram.c ---- */
+
+/* bins bins of equal power-of-two width from start to top, both exact in float32. */
+typedef struct {
+    double start, top;
+    int64_t bins;
+} HistogramGrid;
+
+/* The min and max of the values (NaN if any is NaN) and whether every value lies on the grid. */
+typedef struct {
+    float lo, hi;
+    int on_grid;
+} ScanResult;
+
+/* 0, or -1 where the sub-histograms could not be allocated (nothing written). */
+FXQ_INTERNAL int fxq_scan_f32(const float *x, int64_t n, const HistogramGrid *grid, double *counts, ScanResult *result);
+
+/* ---- elementwise.c ---- */
+
+/* A tensor walked as (outer, channels, inner): NCHW has outer N and inner H * W. */
+typedef struct {
+    int64_t outer, channels, inner;
+} Planes;
+
+/* The element strides of Planes' three dimensions. */
+typedef struct {
+    int64_t outer, channel, inner;
+} PlaneStrides;
+
+/* q = clamp(round(x / scale) + zero_point, qmin, qmax). */
+typedef struct {
+    double scale;
+    int64_t zero_point, qmin, qmax;
+} QuantizeParams;
+
+/* A uint8 grid: its zero point and the range results are clamped to. */
+typedef struct {
+    int64_t zero_point, qmin, qmax;
+} ByteLevels;
+
+/* A uint8 tensor of three dimensions: element [i, j, k] at data[i * stride[0] + j * stride[1] + k * stride[2]]. */
+typedef struct {
+    uint8_t *data;
+    int64_t stride[3];
+} Bytes3;
+
+/* out = clamp(rint((a - za) * ((b - zb) * factor)) + zo, qmin, qmax) in float32, or float64 if wide. */
+typedef struct {
+    int64_t za, zb, zo, qmin, qmax;
+    double factor;
+    int wide;
+} MulRequant;
+
+/* Rows of bytes, stride bytes apart. */
+typedef struct {
+    uint8_t *data;
+    int64_t stride;
+} ByteRows;
+
+FXQ_INTERNAL void fxq_quantize_f32(const float *x, void *out, const Planes *shape, const QuantizeParams *q,
+                                   int signed_out, int to_nhwc);
+/* 0, or -1 where the per-channel sums could not be allocated (nothing written). */
+FXQ_INTERNAL int fxq_mean_u8(const uint8_t *x, uint8_t *out, const Planes *shape, const PlaneStrides *strides,
+                             const ByteLevels *levels);
+FXQ_INTERNAL void fxq_mul_u8(const int64_t shape[3], const Bytes3 *a, const Bytes3 *b, const Bytes3 *out,
+                             const MulRequant *requant);
+FXQ_INTERNAL void fxq_lookup_u8(const uint8_t *src, uint8_t *dst, int64_t n, const uint8_t *table);
+FXQ_INTERNAL void fxq_copy_rows(const ByteRows *src, const ByteRows *dst, int64_t rows, int64_t width);
+
+/* ---- amx_gemm.c and patches.c ---- */
+
+/* Whether the cap and the CPU allow the AVX512-VNNI loops (linear_rows_u8, patches_u8), and AMX tiles (conv_u8; the
+ * tiled part of patches_u8). amx_usable asks Linux for the tile state on its first call: call both with the GIL. */
+FXQ_INTERNAL int fxq_vnni_usable(void);
+FXQ_INTERNAL int fxq_amx_usable(void);
+
+/* Packed int8 weights with their per-output-channel terms: colsum, each column's weight sum (times the input zero
+ * point, subtracted from the sums); ibias, qnnpack's int32 bias (else 0); bias, fbgemm's bias / (s_x * s_w) (else 0);
+ * mult, s_x * s_w / s_out. in_channels inputs, n_pad (a multiple of 16) packed columns, out_channels real ones. */
+typedef struct {
+    const int8_t *w;
+    const int32_t *colsum, *ibias;
+    const float *bias, *mult;
+    int64_t in_channels, n_pad, out_channels;
+} GemmWeights;
+
+/* The input and output zero points, and a fused ReLU (a clamp at zo). */
+typedef struct {
+    int64_t zx, zo;
+    int relu;
+} Requant;
+
+/* (N, D, H, W, C) bytes, channels at stride 1: strides of the (N, D, H, W) dimensions in bytes. */
+typedef struct {
+    const uint8_t *data;
+    int64_t dims[5], strides[4];
+} ConvInput;
+
+/* Kernel, stride and padding over (depth, height, width). */
+typedef struct {
+    int64_t kernel[3], stride[3], padding[3];
+} ConvWindow;
+
+/* (N, Do, Ho, Wo, C_out) bytes: size (Do, Ho, Wo), strides of the (N, Do, Ho, Wo) dimensions in bytes. */
+typedef struct {
+    uint8_t *data;
+    int64_t size[3], strides[4];
+} ConvOutput;
+
+/* (N, H, W, K) bytes, channels at stride 1: strides of the (N, H, W) dimensions in bytes. */
+typedef struct {
+    const uint8_t *data;
+    int64_t dims[3], strides[3];
+} PatchInput;
+
+/* (ceil(K / 4), n_pad, 4) int8 weights, colsum and float bias per packed column; K = in_channels. */
+typedef struct {
+    const int8_t *w;
+    const int32_t *colsum;
+    const float *bias;
+    int64_t in_channels, n_pad, out_channels;
+} PatchWeights;
+
+/* fbgemm's float-bias requantization: fma(bias, rcp, float(acc)) * multiplier, plus the zero points. */
+typedef struct {
+    double rcp, multiplier;
+    int64_t zx, zo;
+} PatchRequant;
+
+/* (N, H * kh, W * kw, C_out) bytes: strides of the (N, OH, OW) dimensions in bytes. */
+typedef struct {
+    uint8_t *data;
+    int64_t strides[3];
+} PatchOutput;
+
+/* 0, or -1 where the padded input could not be allocated (nothing written). Only where fxq_amx_usable(). */
+FXQ_INTERNAL int fxq_conv_u8(const ConvInput *x, const ConvWindow *window, const GemmWeights *weights,
+                             const Requant *requant, const ConvOutput *out);
+/* Only where fxq_vnni_usable(). */
+FXQ_INTERNAL void fxq_linear_rows_u8(const ByteRows *x, int64_t rows, const GemmWeights *weights,
+                                     const Requant *requant, const ByteRows *out);
+/* Only where fxq_vnni_usable(); amx: fxq_amx_usable(), read with the GIL. */
+FXQ_INTERNAL void fxq_patches_u8(const PatchInput *x, const PatchWeights *weights, const PatchRequant *requant,
+                                 const PatchOutput *out, const int64_t kernel[2], int amx);
+
+#endif
