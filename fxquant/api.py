@@ -37,6 +37,7 @@ from fxquant.passes.islands import (
     wrap_untraceable_root,
 )
 from fxquant.passes.pipeline import prepare_graph
+from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
 from fxquant.runtime import runner
 from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
 from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
@@ -161,7 +162,8 @@ def _lower(prepared: fx.GraphModule, config: QuantConfig, backend: str) -> fx.Gr
 def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = ()) -> fx.GraphModule:
     """A copy of calibrated ``prepared`` after the passes that use calibration statistics, still float.
 
-    In order: SmoothQuant (``smoothquant_alpha``), the layers matching the ``keep_float`` patterns kept float, bias
+    In order: observers that saw no data removed (their layers stay float, :mod:`fxquant.passes.unobserved`),
+    SmoothQuant (``smoothquant_alpha``), the layers matching the ``keep_float`` patterns kept float, bias
     correction (``bias_correction``); their statistics nodes are removed. This is the float graph ``convert``
     lowers, so ``fxquant.testing.simulate(apply_statistics(prepared))`` is the fake-quant twin of
     ``convert(prepared)``, and its layers are the float references of the INT8 ones at the same paths.
@@ -171,10 +173,26 @@ def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = 
     gm = copy.deepcopy(prepared)
     for graph in (gm, *prepared_islands(gm).values()):
         state = quant_state(graph)
+        keep_unobserved_float(graph, state.prefix)
         smooth_activations(graph, state.config)
         keep_layers_float(graph, tuple(keep_float), prefix=state.prefix)
         correct_biases(graph)
     return gm
+
+
+def _check_observed(prepared: fx.GraphModule, config: QuantConfig) -> None:
+    observers = observers_of(prepared).values()
+    empty = [obs.label for obs in observers if not obs.has_data]
+    if not empty:
+        return
+    if config.unobserved == "error" or len(empty) == len(observers):
+        raise CalibrationError(f"{len(empty)} observer(s) saw no data: {', '.join(empty)}. Run "
+                               "fxquant.calibrate(prepared, data) with data that reaches them before convert().")
+    layers = [path for graph in (prepared, *prepared_islands(prepared).values())
+              for path in unobserved_layers(graph, quant_state(graph).prefix)]
+    log.warning("fxquant: %d observer(s) saw no data during calibration (%s): %s stay float. Calibrate with data "
+                "that takes that branch to quantize them, or pass QuantConfig(unobserved='error') to refuse.",
+                len(empty), ", ".join(empty), ", ".join(layers) or "no layer; the values there")
 
 
 def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float: Collection[str] = (),
@@ -193,17 +211,16 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
     deployment batches; by default auto measures on random inputs shaped like prepare()'s ``example_inputs``. The
     choices are recorded (``quant_state(qmodel).layer_backends``, and in saved artifacts); ``layer_backends=`` with
     ``backend="auto"`` replays such a record without measuring, so a saved auto model loads as it was. Raises
-    ``CalibrationError`` listing the observers that saw no data. ``prepared`` is left unchanged. Example::
+    ``CalibrationError`` when no observer saw data (calibrate first); layers whose observers saw none (a branch the
+    calibration data never took) stay float with a warning, or raise with ``QuantConfig(unobserved="error")``.
+    ``prepared`` is left unchanged. Example::
 
         qmodel = fxquant.convert(prepared, backend="auto", example_inputs=(torch.randn(32, 3, 224, 224),))
     """
     state = quant_state(prepared)
     if state.stage != "prepared":
         raise InputError("convert() takes the model returned by prepare(), not an already converted one")
-    empty = [obs.label for obs in observers_of(prepared).values() if not obs.has_data]
-    if empty:
-        raise CalibrationError(f"{len(empty)} observer(s) saw no data: {', '.join(empty)}. Run "
-                               "fxquant.calibrate(prepared, data) with data that reaches them before convert().")
+    _check_observed(prepared, state.config)
     name = backend or state.config.backend
     for option, value in (("example_inputs", example_inputs), ("layer_backends", layer_backends)):
         if value is not None and name != "auto":

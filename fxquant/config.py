@@ -26,6 +26,7 @@ from fxquant.native.isa import isa_cap
 CONFIG_VERSION = 1
 BACKENDS = ("fbgemm", "qnnpack", "onednn", "reference", "auto")
 WEIGHT_SCHEMES = ("per_channel", "per_tensor")
+UNOBSERVED = ("float", "error")  # what convert does with layers whose observers saw no data
 OVERRIDE_KEYS = ("activation", "weight", "observer_options")
 
 
@@ -96,6 +97,7 @@ class QuantConfig:
     smoothquant_alpha: float | str | None = None  # None (off), one alpha in [0, 1], or "auto" (one per layer)
     equalize: bool = False
     bias_correction: bool = False
+    unobserved: str = "float"  # layers that never ran during calibration: "float" (warned) or "error"
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude", "leaf_modules"):
@@ -106,6 +108,7 @@ class QuantConfig:
         isa_cap()  # a bad FXQUANT_ISA fails here, with the fix, before any kernel is picked by it
         _check_choice("backend", self.backend, BACKENDS, "QuantConfig")
         _check_choice("weight", self.weight, WEIGHT_SCHEMES, "QuantConfig")
+        _check_choice("unobserved", self.unobserved, UNOBSERVED, "QuantConfig")
         _check_activation(self.activation, "QuantConfig")
         alpha = self.smoothquant_alpha
         is_number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)

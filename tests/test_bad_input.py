@@ -74,7 +74,8 @@ def test_convert_before_calibration_lists_observers() -> None:
 
 
 def test_only_the_observer_that_saw_no_data_is_listed() -> None:
-    prepared = calibrated(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).eval(), (2, 4))
+    prepared = calibrated(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).eval(), (2, 4),
+                          fxquant.QuantConfig(unobserved="error"))
     prepared.get_submodule("observer_1").num_updates.zero_()  # as if no batch had reached it
     with pytest.raises(CalibrationError, match=r"1 observer\(s\) saw no data: output of 0\. "):
         fxquant.convert(prepared)

@@ -23,7 +23,7 @@ def _data() -> list[tuple[torch.Tensor]]:
 def test_data_dependent_block_stays_float_but_its_layers_are_int8_islands() -> None:
     model = create_model("control_flow")
     data = _data()
-    prepared = fxquant.prepare(model, data[0])
+    prepared = fxquant.prepare(model, data[0], fxquant.QuantConfig(unobserved="error"))
     fxquant.calibrate(prepared, data, progress=False)
     # gated sees post-ReLU values, so its negative branch never runs: its observers saw nothing
     with pytest.raises(CalibrationError, match=r"gated.x \(input of gated.negative\), output of gated.negative"):

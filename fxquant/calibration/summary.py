@@ -14,7 +14,8 @@ class CalibrationSummary:
     """What a calibration run saw: batches, samples, the range each observer recorded, and diagnostics.
 
     ``skipped_batches`` holds the stream indices of batches skipped for NaN/Inf (``skip_nonfinite=True``);
-    ``unobserved`` the observers that saw no data (``convert`` will refuse them); ``sparse`` the observers that saw
+    ``unobserved`` the observers that saw no data (``convert`` keeps their layers float, or refuses them with
+    ``QuantConfig(unobserved="error")``); ``sparse`` the observers that saw
     too little for a reliable range and ``warnings`` every such warning as text; ``channel_spreads`` the observed
     values whose channels differ by orders of magnitude (``diagnose=True``); ``resumed_batches`` how many batches
     came from a checkpoint rather than from this call. Counts cover all ranks after a distributed run.
@@ -48,7 +49,7 @@ class CalibrationSummary:
         if self.skipped_batches:
             lines.append(f"skipped {len(self.skipped_batches)} batches with NaN/Inf: {self.skipped_batches}")
         lines += [f"  {label}: [{lo:.4g}, {hi:.4g}]" for label, (lo, hi) in self.ranges.items()]
-        lines += [f"  {label}: saw no data" for label in self.unobserved]
+        lines += [f"  {label}: saw no data (its layers stay float at convert)" for label in self.unobserved]
         lines += [f"warning: {text}" for text in self.warnings]
         if self.channel_spreads:
             lines.append("channels whose ranges differ by orders of magnitude (per-tensor scales waste levels on the "
