@@ -54,14 +54,22 @@ def _module_for(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
 
 
 def _owner_path(gm: fx.GraphModule, node: fx.Node) -> str:
-    """The path of the module owning the weight (the user's name for the layer), unless it is a module call too."""
+    """The path of the module owning the weight (the user's name for the layer) when the new module can take its
+    place: the graph reads nothing else from it and calls neither it nor any of its children (a "same"-padding conv
+    calls its own ``static_padding`` child first). Otherwise a new child of the owner, so the owner keeps everything
+    the graph still uses and the layer keeps a path under it (config patterns, coverage)."""
     weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
     owner = str(weight.target).rpartition(".")[0]  # type: ignore[union-attr]
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
-    # the owner (a Linear/Conv subclass traced through) keeps its path if the graph reads nothing else from it
     read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(f"{owner}.")}
-    only_this_layer = bool(owner) and read <= {f"{owner}.weight", f"{owner}.bias"} and owner not in called
-    return owner if only_this_layer else f"{owner.replace('.', '_')}_{node.name}".lstrip("_")
+    inside = any(path == owner or path.startswith(f"{owner}.") for path in called)
+    if owner and read <= {f"{owner}.weight", f"{owner}.bias"} and not inside:
+        return owner
+    parent = gm.get_submodule(owner)
+    name = node.name
+    while hasattr(parent, name):
+        name += "_"
+    return f"{owner}.{name}" if owner else name
 
 
 def functional_to_modules(gm: fx.GraphModule) -> fx.GraphModule:

@@ -15,6 +15,9 @@ from fxquant.nn.quantized import _QuantizedWeighted
 from fxquant.testing import assert_sqnr
 
 
+FLOOR = 39.0  # dB; measured 42.1 (reference backend, these seeds)
+
+
 class Routed(nn.Module):
     """Large inputs take ``rare``; calibration data never does. A data-dependent branch: torch.fx cannot trace it."""
 
@@ -59,7 +62,7 @@ def test_an_untaken_branch_stays_float_and_is_named(caplog: pytest.LogCaptureFix
     assert all(rows[path].quantized for path in ("head", "route.common", "tail")), fxquant.coverage(qmodel)
     assert not any(isinstance(m, _QuantizedWeighted) for m in qmodel.get_submodule("route.rare").modules())
     x = torch.randn(8, 16)
-    assert_sqnr(qmodel(x), model(x), 25.0)  # the calibrated path is INT8 and accurate
+    assert_sqnr(model(x), qmodel(x), FLOOR)  # the calibrated path is INT8 and accurate
 
 
 def test_the_float_branch_computes_in_float() -> None:
