@@ -14,7 +14,6 @@ from fxquant.passes.functional import functional_to_modules
 from fxquant.testing import assert_sqnr
 from fxquant.tracing import trace
 
-
 FLOOR = 42.0  # dB; measured 45.3 (reference backend, these seeds)
 
 

@@ -14,7 +14,6 @@ from fxquant.errors import CalibrationError
 from fxquant.nn.quantized import _QuantizedWeighted
 from fxquant.testing import assert_sqnr
 
-
 FLOOR = 39.0  # dB; measured 42.1 (reference backend, these seeds)
 
 
