@@ -54,7 +54,7 @@ def _quantized(name: str, backend: str | None = None) -> tuple[torch.nn.Module, 
     model = create_model(name, **options)
     data = _batches(name, batch)
     kwargs = {} if backend is None else {"backend": backend}
-    config = fxquant.QuantConfig(exclude=["gated.negative"], **kwargs)  # control_flow: a branch never reached
+    config = fxquant.QuantConfig(**kwargs)  # control_flow: gated.negative never runs, so it stays float
     prepared = fxquant.prepare(model, data[0], config)
     with torch.inference_mode():
         torch.testing.assert_close(prepared(*data[0]), model(*data[0]), rtol=1e-4, atol=1e-4)
@@ -70,8 +70,11 @@ def test_zoo_model_end_to_end(name: str) -> None:
         assert_sqnr(model(*fresh), qmodel(*fresh), ZOO[name][2] - margin, f"{name} INT8 vs FP32")
     report = fxquant.coverage(qmodel)
     layers = {p for p, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.modules.conv._ConvNd))}
-    assert {r.path for r in report.layers} == layers, str(report)
-    assert all(r.quantized for r in report.layers if r.path != "gated.negative"), str(report)
+    lookups = {p for p, m in model.named_modules() if isinstance(m, torch.nn.Embedding)}
+    assert {r.path for r in report.layers if not r.lookup} == layers, str(report)
+    assert {r.path for r in report.layers if r.lookup} == lookups, str(report)
+    assert all(r.quantized for r in report.layers if r.path != "gated.negative" and not r.lookup), str(report)
+    assert report.int8_mac_fraction == 1.0, str(report)  # every multiply-add the example inputs run is INT8
     boundaries = report.quantize_nodes + report.dequantize_nodes
     assert boundaries <= ZOO[name][3], f"{name}: {boundaries} quantize/dequantize nodes\n{report}"
     if name in SIMULATION_FLOORS:  # one step of a 7-bit grid is two of an 8-bit one: the same margin

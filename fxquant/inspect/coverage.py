@@ -1,12 +1,23 @@
-"""``fxquant.coverage``: every Linear/Conv of a prepared or converted model, quantized or not, and why not."""
+"""``fxquant.coverage``: every weight-bearing layer of a prepared or converted model, quantized or not, and why not.
+
+Rows: every module whose weight feeds a matmul or convolution (Linear, the convolutions and their subclasses,
+transformers' ``Conv1D``, ``nn.MultiheadAttention``) and every lookup table (``nn.Embedding``: float, no
+multiply-adds). With the example inputs (the ones given to ``prepare``, unless others are passed) each row also
+carries its multiply-adds, and the summary gives the fraction of them that runs INT8.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import logging
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
+import torch
 from torch import fx, nn
 
+from fxquant.inspect.macs import model_macs
 from fxquant.nn.fused import COMPUTE_TYPES, Fused
+from fxquant.nn.layers import LOOKUP_TYPES, layer_kind
 from fxquant.nn.quantized import DeQuantize, Quantize, _QuantizedWeighted
 from fxquant.nn.shared_quantize import SharedQuantize
 from fxquant.observers import Observer
@@ -17,14 +28,19 @@ from fxquant.state import STATE_KEY, QuantState, quant_state
 
 @dataclass(frozen=True)
 class LayerCoverage:
-    """One Linear/Conv: its path, float class, whether it runs INT8, why not (for an INT8 layer: a note such as
-    "float output"), and on which backend."""
+    """One layer: its path, float class, whether it runs INT8, why not (for an INT8 layer: a note such as
+    "float output"), on which backend, and its multiply-adds for the example inputs (0: a lookup, or not run)."""
 
     path: str
     kind: str
     quantized: bool
     reason: str = ""
     backend: str = ""
+    macs: int = 0
+
+    @property
+    def lookup(self) -> bool:
+        return self.kind in _LOOKUPS
 
 
 @dataclass(frozen=True)
@@ -38,22 +54,45 @@ class Coverage:
 
     @property
     def quantized_fraction(self) -> float:
-        return sum(layer.quantized for layer in self.layers) / max(len(self.layers), 1)
+        """INT8 layers over all matmul/conv layers (lookups are not counted)."""
+        layers = [layer for layer in self.layers if not layer.lookup]
+        return sum(layer.quantized for layer in layers) / max(len(layers), 1)
+
+    @property
+    def int8_mac_fraction(self) -> float | None:
+        """The fraction of the example inputs' multiply-adds that runs INT8, or None where none were counted."""
+        total = sum(layer.macs for layer in self.layers)
+        return sum(layer.macs for layer in self.layers if layer.quantized) / total if total else None
 
     def rows(self) -> list[dict[str, object]]:
         return [asdict(layer) for layer in self.layers]
 
     def __str__(self) -> str:
-        header = ("module", "kind", "quantized", "backend", "reason")
-        rows = [header] + [(r.path, r.kind, "yes" if r.quantized else "no", r.backend, r.reason) for r in self.layers]
+        header = ("module", "kind", "quantized", "backend", "multiply-adds", "reason")
+        rows = [header] + [(r.path, r.kind, "yes" if r.quantized else "no", r.backend, _count(r.macs), r.reason)
+                           for r in self.layers]
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        done = sum(layer.quantized for layer in self.layers)
-        lines.append(f"{done}/{len(self.layers)} Linear/Conv layers INT8; {self.quantize_nodes} quantize and "
+        layers = [layer for layer in self.layers if not layer.lookup]
+        done = sum(layer.quantized for layer in layers)
+        macs = self.int8_mac_fraction
+        share = "" if macs is None else f" ({100 * macs:.1f}% of the multiply-adds at the example inputs)"
+        lines.append(f"{done}/{len(layers)} Linear/Conv layers INT8{share}; {self.quantize_nodes} quantize and "
                      f"{self.dequantize_nodes} dequantize nodes")
         lines += [f"graph break: {b}" for b in self.graph_breaks]
         return "\n".join(lines)
+
+
+def _count(macs: int) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if macs >= size:
+            return f"{macs / size:.1f}{unit}"
+    return str(macs) if macs else "-"
+
+
+_LOOKUPS = frozenset(t.__name__ for t in LOOKUP_TYPES)
+log = logging.getLogger(__name__)
 
 
 def _graphs(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, str, QuantState]]:
@@ -86,29 +125,66 @@ def _row(gm: fx.GraphModule, node: fx.Node, path: str, state: QuantState) -> Lay
     return LayerCoverage(path, kind, False, reason)
 
 
-def _unreached(gm: fx.GraphModule, seen: set[str], breaks: dict[str, str]) -> list[LayerCoverage]:
-    """Layers no graph calls: inside an untraceable block or a leaf, or used in an unsupported way."""
+def _computed_by_a_child(path: str, seen: set[str]) -> bool:
+    """A layer subclass traced through (its ``F.conv2d`` became a module under it) is reported by that child."""
+    return any(other.startswith(f"{path}.") for other in seen)
+
+
+def _unreached(gm: fx.GraphModule, seen: set[str], breaks: dict[str, str]) -> list[tuple[nn.Module, LayerCoverage]]:
+    """Layers no graph calls: inside an untraceable block or a leaf, lookups, or used in an unsupported way."""
     rows = []
     wrapped = quant_state(gm).wrapped
     for full_path, module in gm.named_modules():
         path = full_path.removeprefix(f"{WRAPPED}.") if wrapped else full_path
-        if type(module) not in COMPUTE_TYPES or path in seen or isinstance(gm.get_submodule(
-                full_path.rpartition(".")[0]), Fused):
+        kind = layer_kind(module)
+        parent = gm.get_submodule(full_path.rpartition(".")[0])
+        if kind is None or path in seen or isinstance(parent, (Fused, nn.MultiheadAttention)) \
+                or _computed_by_a_child(path, seen):
             continue
-        why = next((r for block, r in breaks.items() if not block or path.startswith(block + ".")),
-                   "not called as a module in the traced graph (unsupported pattern or config.leaf_modules)")
-        rows.append(LayerCoverage(path, type(module).__name__, False, why))
+        if kind in _LOOKUPS:
+            why = "float: lookup (no multiply-adds)"
+        elif kind == "MultiheadAttention":
+            why = "float: nn.MultiheadAttention computes its projections in one float op"
+        else:
+            why = next((r for block, r in breaks.items() if not block or path.startswith(block + ".")),
+                       "not called as a module in the traced graph (unsupported pattern or config.leaf_modules)")
+        rows.append((module, LayerCoverage(path, kind, False, why)))
     return rows
 
 
-def coverage(gm: fx.GraphModule) -> Coverage:
+def _example(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    if example_inputs is not None:
+        return tuple(example_inputs)
+    specs = quant_state(gm).example_inputs
+    return tuple(spec.make() for spec in specs) if specs else None
+
+
+def _macs(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> dict[int, int]:
+    with torch.random.fork_rng(devices=[]):  # random example inputs leave the caller's random stream as it was
+        example = _example(gm, example_inputs)
+        if example is None:
+            return {}
+        return _run_counting(gm, example)
+
+
+def _run_counting(gm: fx.GraphModule, example: tuple[Any, ...]) -> dict[int, int]:
+    try:
+        return model_macs(gm, example)
+    except (RuntimeError, TypeError, ValueError, IndexError) as error:  # coverage must not fail on a bad example
+        log.warning("fxquant.coverage: multiply-adds not counted: the model does not run on the example inputs "
+                    "(%s: %s)", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return {}
+
+
+def coverage(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None = None) -> Coverage:
     """The coverage of a model returned by ``prepare`` (what will be INT8) or ``convert`` (what is INT8).
 
-    Example::
+    ``example_inputs``: the inputs whose multiply-adds weigh the layers (default: random ones shaped like
+    ``prepare``'s). Example::
 
         print(fxquant.coverage(qmodel))
     """
-    rows: list[LayerCoverage] = []
+    found: list[tuple[nn.Module, LayerCoverage]] = []
     breaks: dict[str, str] = {}
     counts: dict[type[nn.Module], int] = {Quantize: 0, DeQuantize: 0}
     shared: set[int] = set()  # a quantize shared by sibling islands (SharedQuantize) runs once: counted once
@@ -127,10 +203,12 @@ def coverage(gm: fx.GraphModule) -> Coverage:
             counts[kind] = counts.get(kind, 0) + 1
             row = _row(graph, node, prefix + str(node.target), state)
             if row is not None:
-                rows.append(row)
-    seen = {r.path for r in rows}
-    rows += [r for r in _unreached(gm, seen, breaks) if not _is_island_layer(r.path, seen)]
-    return Coverage(tuple(rows), counts[Quantize], counts[DeQuantize], tuple(breaks.values()))
+                found.append((module, row))
+    seen = {row.path for _, row in found}
+    found += [(m, row) for m, row in _unreached(gm, seen, breaks) if not _is_island_layer(row.path, seen)]
+    macs = _macs(gm, example_inputs)
+    rows = tuple(replace(row, macs=macs.get(id(module), 0)) for module, row in found)
+    return Coverage(rows, counts[Quantize], counts[DeQuantize], tuple(breaks.values()))
 
 
 def _block(path: str) -> str:

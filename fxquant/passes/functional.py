@@ -1,14 +1,19 @@
-"""Turn ``F.linear`` / ``F.convNd`` calls on module parameters into module calls, so they fold, fuse and quantize.
+"""Turn ``F.linear`` / ``F.convNd`` / ``torch.addmm`` calls on module parameters into module calls, so they fold, fuse
+and quantize.
 
 This is what makes subclasses of ``nn.Conv2d``/``nn.Linear`` with their own ``forward`` (a "same"-padding conv
 that pads and then calls ``F.conv2d(x, self.weight, ...)``) quantizable: torch.fx traces into them, and this pass
-gives the call back a plain module at the owner's path, keeping the user's parameter objects.
+gives the call back a plain module at the owner's path, keeping the user's parameter objects. ``torch.addmm(bias,
+x, weight)`` with a ``(in, out)`` weight is a Linear with the weight transposed: transformers' ``Conv1D`` (GPT-2's
+projections) computes exactly that; the Linear holds a transposed view of the same parameter, so ``F.linear`` makes
+the same ``addmm`` call and the prepared model computes what the float one does, bit for bit.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
@@ -53,13 +58,34 @@ def _module_for(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
     return module
 
 
+def _linear_from_addmm(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+    """``torch.addmm(bias, x, weight)`` with parameters, default ``beta``/``alpha``: a Linear over ``weight.t()``."""
+    args = dict(zip(("input", "mat1", "mat2"), node.args, strict=False)) | dict(node.kwargs)
+    weight, bias = _param(gm, args.get("mat2")), _param(gm, args.get("input"))
+    if weight is None or bias is None or weight.dim() != 2 or bias.dim() != 1 or set(args) - {"input", "mat1", "mat2"}:
+        return None
+    module = nn.Linear(weight.shape[0], weight.shape[1], device="meta")
+    module.weight = nn.Parameter(weight.t(), requires_grad=weight.requires_grad)  # a view: no copy
+    module.register_parameter("bias", bias)
+    return module
+
+
+def _weight_argument(node: fx.Node) -> fx.Node:
+    if node.target is torch.addmm:
+        weight = node.args[2] if len(node.args) > 2 else node.kwargs["mat2"]
+    else:
+        weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
+    assert isinstance(weight, fx.Node)
+    return weight
+
+
 def _owner_path(gm: fx.GraphModule, node: fx.Node) -> str:
     """The path of the module owning the weight (the user's name for the layer) when the new module can take its
     place: the graph reads nothing else from it and calls neither it nor any of its children (a "same"-padding conv
     calls its own ``static_padding`` child first). Otherwise a new child of the owner, so the owner keeps everything
     the graph still uses and the layer keeps a path under it (config patterns, coverage)."""
-    weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
-    owner = str(weight.target).rpartition(".")[0]  # type: ignore[union-attr]
+    weight = _weight_argument(node)
+    owner = str(weight.target).rpartition(".")[0]
     called = {str(n.target) for n in gm.graph.nodes if n.op == "call_module"}
     read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr" and str(n.target).startswith(f"{owner}.")}
     inside = any(path == owner or path.startswith(f"{owner}.") for path in called)
@@ -73,17 +99,23 @@ def _owner_path(gm: fx.GraphModule, node: fx.Node) -> str:
 
 
 def functional_to_modules(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite ``F.linear/convNd(x, <param>, <param>, ...)`` into calls of modules at the parameters' owner path."""
+    """Rewrite ``F.linear/convNd(x, <param>, <param>, ...)`` and ``torch.addmm(<param>, x, <param>)`` into calls of
+    modules at the parameters' owner path."""
     for node in nodes_of(gm):
-        if node.op != "call_function" or (node.target is not F.linear and node.target not in _CONV):
+        if node.op != "call_function":
             continue
-        module = _module_for(gm, node)
+        if node.target is torch.addmm:
+            module, x = _linear_from_addmm(gm, node), node.args[1] if len(node.args) > 1 else node.kwargs.get("mat1")
+        elif node.target is F.linear or node.target in _CONV:
+            module, x = _module_for(gm, node), node.args[0] if node.args else node.kwargs["input"]
+        else:
+            continue
         if module is None:
             continue
         path = _owner_path(gm, node)
         replace_submodule(gm, path, module)
         with gm.graph.inserting_before(node):
-            call = gm.graph.call_module(path, (node.args[0] if node.args else node.kwargs["input"],))
+            call = gm.graph.call_module(path, (x,))
         node.replace_all_uses_with(call)
         gm.graph.erase_node(node)
     return finish(gm)

@@ -24,6 +24,7 @@ from fxquant.config import QuantConfig
 from fxquant.errors import TraceError
 from fxquant.kernels.base import Backend
 from fxquant.nn.fused import COMPUTE_TYPES
+from fxquant.nn.layers import as_linear, holds_quantizable, is_transposed_linear
 from fxquant.nn.quantized import Quantize
 from fxquant.nn.shared_quantize import SharedQuantize
 from fxquant.passes._graph import replace_submodule
@@ -31,10 +32,6 @@ from fxquant.passes.lower import lower_to_int8
 from fxquant.passes.pipeline import prepare_graph
 from fxquant.state import STATE_KEY, QuantState, quant_state
 from fxquant.tracing import GraphBreak, trace_partially
-
-
-def _has_compute(module: nn.Module) -> bool:
-    return any(type(m) in COMPUTE_TYPES for m in module.modules())
 
 
 def _single_layer_graph(name: str, layer: nn.Module) -> fx.GraphModule:
@@ -49,15 +46,16 @@ def _single_layer_graph(name: str, layer: nn.Module) -> fx.GraphModule:
 def _prepare_child(parent: nn.Module, name: str, path: str, config: QuantConfig, found: list[GraphBreak]) -> None:
     """Make ``parent.<name>`` an island if it traces, else descend; untraceable forwards are added to ``found``."""
     child = parent.get_submodule(name)
-    if not _has_compute(child):
+    if not holds_quantizable(child):
         return
     breaks: tuple[GraphBreak, ...] = ()
     if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # containers have no forward: look inside
         for item in dict(child.named_children()):
             _prepare_child(child, item, f"{path}.{item}", config, found)
         return
-    if type(child) in COMPUTE_TYPES:
-        gm, prefix = _single_layer_graph(name, child), path.removesuffix(name)
+    layer = as_linear(child) if is_transposed_linear(child) else child
+    if type(layer) in COMPUTE_TYPES:
+        gm, prefix = _single_layer_graph(name, layer), path.removesuffix(name)
     else:
         try:
             gm, breaks = trace_partially(child, leaf_modules=config.leaf_modules)
