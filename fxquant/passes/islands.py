@@ -24,6 +24,7 @@ from fxquant.config import QuantConfig
 from fxquant.errors import TraceError
 from fxquant.kernels.base import Backend
 from fxquant.nn.fused import COMPUTE_TYPES
+from fxquant.nn.island import as_island, surface_of
 from fxquant.nn.layers import as_linear, holds_quantizable, is_transposed_linear
 from fxquant.nn.quantized import Quantize
 from fxquant.nn.shared_quantize import SharedQuantize
@@ -54,7 +55,8 @@ def _prepare_child(parent: nn.Module, name: str, path: str, config: QuantConfig,
             _prepare_child(child, item, f"{path}.{item}", config, found)
         return
     layer = as_linear(child) if is_transposed_linear(child) else child
-    if type(layer) in COMPUTE_TYPES:
+    single = type(layer) in COMPUTE_TYPES  # one layer: a graph of one call, keeping the layer's own name
+    if single:
         gm, prefix = _single_layer_graph(name, layer), path.removesuffix(name)
     else:
         try:
@@ -67,6 +69,7 @@ def _prepare_child(parent: nn.Module, name: str, path: str, config: QuantConfig,
             return
         prefix = f"{path}."
     gm = prepare_graph(gm, config, prefix=prefix)
+    gm = as_island(gm, surface_of(child, path, layer=name if single else None, transposed=layer is not child))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", (), graph_breaks=breaks, prefix=prefix)
     found += prepare_islands(gm, breaks, config, prefix=prefix)
     setattr(parent, name, gm)
