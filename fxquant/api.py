@@ -40,7 +40,7 @@ from fxquant.passes.pipeline import prepare_graph
 from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
 from fxquant.runtime import runner
 from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
-from fxquant.state import STATE_KEY, InputSpec, QuantState, quant_state, update_state
+from fxquant.state import STATE_KEY, InputSpec, QuantState, drop_in, quant_state, update_state
 from fxquant.tracing import GraphBreak, trace, trace_partially
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def _check_observed(prepared: fx.GraphModule, config: QuantConfig) -> None:
 
 def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float: Collection[str] = (),
             example_inputs: tuple[Any, ...] | None = None,
-            layer_backends: Mapping[str, str] | None = None) -> fx.GraphModule:
+            layer_backends: Mapping[str, str] | None = None) -> nn.Module:
     """Replace observed Linear/Conv/add nodes with INT8 modules running on ``backend`` (default: the config's).
 
     ``keep_float`` (fnmatch patterns on module paths, like ``QuantConfig.exclude``) keeps those layers float without
@@ -238,7 +238,7 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics,
                                  layer_backends=choices, keep_float=tuple(keep_float))
-    return runner.install(gm)
+    return drop_in(runner.install(gm))
 
 
 def _replay_auto(final: fx.GraphModule, state: QuantState, choices: dict[str, str]

@@ -5,13 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from fxquant.config import QuantConfig
 from fxquant.errors import InputError
 from fxquant.tracing import GraphBreak
 
 STATE_KEY = "fxquant_state"  # key in GraphModule.meta, which deepcopy preserves
+WRAPPED = "model"  # the attribute under which a GraphModule keeps an untraceable root (QuantState.wrapped)
+GRAPH_KEY = "_fxquant_graph"  # in a drop-in model's __dict__: the GraphModule fxquant keeps its state on
 
 
 @dataclass(frozen=True)
@@ -49,9 +51,30 @@ class QuantState:
     channels_last: bool = False  # calibrate with channels-last Conv2d weights (calibration.memory_format)
 
 
+def graph_of(model: nn.Module) -> fx.GraphModule:
+    """The GraphModule fxquant keeps its state on: ``model`` itself, or, for a drop-in model (a converted model
+    whose root does not trace, returned as the user's own class), the GraphModule that wraps it."""
+    graph = model.__dict__.get(GRAPH_KEY, model)
+    if not isinstance(graph, fx.GraphModule):
+        raise InputError(f"{type(model).__name__} was not produced by fxquant; prepare the float model first")
+    return graph
+
+
+def drop_in(gm: nn.Module) -> nn.Module:
+    """What ``convert`` hands the user: ``gm`` where its root traced; where it did not, the user's own module inside
+    it (same class, ``config``, ``generate()``, outputs, state_dict keys), linked back to ``gm`` (not as a submodule:
+    its state_dict and children stay the user's) so that every fxquant function accepts it."""
+    if not quant_state(gm).wrapped:
+        return gm
+    model = gm.get_submodule(WRAPPED)
+    model.__dict__[GRAPH_KEY] = gm
+    return model
+
+
 def quant_state(gm: nn.Module) -> QuantState:
-    """The recorded state of ``gm``; ``InputError`` if fxquant did not produce it."""
-    state = getattr(gm, "meta", {}).get(STATE_KEY)
+    """The recorded state of ``gm`` (or of the GraphModule behind a drop-in model); ``InputError`` if fxquant did
+    not produce it."""
+    state = getattr(gm.__dict__.get(GRAPH_KEY, gm), "meta", {}).get(STATE_KEY)
     if not isinstance(state, QuantState):
         raise InputError(f"{type(gm).__name__} was not produced by fxquant.prepare(); prepare the float model first")
     return state
@@ -59,5 +82,5 @@ def quant_state(gm: nn.Module) -> QuantState:
 
 def update_state(gm: nn.Module, **changes: object) -> None:
     """Replace fields of ``gm``'s recorded state."""
-    meta: dict[str, object] = gm.meta  # type: ignore[assignment]  # fx.GraphModule.meta is a plain dict
+    meta: dict[str, object] = graph_of(gm).meta
     meta[STATE_KEY] = replace(quant_state(gm), **changes)  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ from torch import fx, nn
 from fxquant.errors import ArtifactError, InputError
 from fxquant.kernels.base import PackedWeight
 from fxquant.serialization import atomic_write
-from fxquant.state import quant_state
+from fxquant.state import graph_of, quant_state
 
 FORMATS = ("torchscript",)
 EXTRA_FILE = "fxquant.json"  # in the TorchScript archive: {"engine": ...}, read with torch.jit.load(_extra_files=)
@@ -74,7 +74,7 @@ def _trace(model: fx.GraphModule, example_inputs: tuple[Any, ...], backend: str)
     return traced
 
 
-def export(model: fx.GraphModule, path: str | Path, *, format: str = "torchscript",
+def export(model: nn.Module, path: str | Path, *, format: str = "torchscript",
            example_inputs: tuple[Any, ...] | None = None) -> Path:
     """Write the converted ``model`` as a TorchScript file that loads with plain ``torch.jit.load``.
 
@@ -89,6 +89,7 @@ def export(model: fx.GraphModule, path: str | Path, *, format: str = "torchscrip
     """
     if format not in FORMATS:
         raise InputError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
+    model = graph_of(model)  # a drop-in model: the GraphModule behind it
     state = quant_state(model)
     if state.stage != "converted":
         raise InputError("export() takes a converted model (fxquant.convert(prepared)), not a prepared one")

@@ -20,7 +20,7 @@ from fxquant.artifacts.manifest import Manifest, input_spec_dicts, read_manifest
 from fxquant.artifacts.store import commit, load_role
 from fxquant.calibration import observers_of
 from fxquant.errors import ArtifactError
-from fxquant.state import quant_state, update_state
+from fxquant.state import graph_of, quant_state, update_state
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
 
@@ -51,8 +51,10 @@ def tensor_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
-def manifest_for(model: fx.GraphModule) -> tuple[Manifest, dict[str, Any]]:
-    """A manifest and the tensors (role -> state dict) describing a prepared, calibrated or converted model."""
+def manifest_for(model: nn.Module) -> tuple[Manifest, dict[str, Any]]:
+    """A manifest and the tensors (role -> state dict) describing a prepared, calibrated or converted model (a
+    drop-in model: the GraphModule behind it, so a saved artifact is the same either way)."""
+    model = graph_of(model)
     state = quant_state(model)
     manifest = Manifest(stage=state.stage, config=state.config.to_dict(),
                         example_inputs=input_spec_dicts(state.example_inputs), backend=state.backend,
@@ -67,7 +69,7 @@ def manifest_for(model: fx.GraphModule) -> tuple[Manifest, dict[str, Any]]:
     return manifest, {"observers": observer_statistics(model)}
 
 
-def save(model: fx.GraphModule, path: str | Path) -> Path:
+def save(model: nn.Module, path: str | Path) -> Path:
     """Save a prepared, calibrated or converted model as an artifact directory; returns the directory.
 
     The directory holds ``manifest.json`` and content-addressed tensor files (``observers-<hash>.pt``,
@@ -94,7 +96,7 @@ def _materialize(model: ModelOrFactory) -> nn.Module:
     return built.eval()  # a model we built ourselves; a module passed in is the caller's (prepare checks its mode)
 
 
-def load(path: str | Path, model: ModelOrFactory) -> fx.GraphModule:
+def load(path: str | Path, model: ModelOrFactory) -> nn.Module:
     """Rebuild the model saved at ``path`` from its float original ``model`` (an ``nn.Module`` or a factory).
 
     Raises ``ArtifactError`` when a file was tampered with or truncated, was written by a newer fxquant, holds
@@ -108,7 +110,7 @@ def load(path: str | Path, model: ModelOrFactory) -> fx.GraphModule:
 
 
 def rebuild(directory: Path, manifest: Manifest, model: nn.Module,
-            example_inputs: tuple[Any, ...] | None = None) -> fx.GraphModule:
+            example_inputs: tuple[Any, ...] | None = None) -> nn.Module:
     """``prepare`` -> load statistics -> ``convert`` as far as ``manifest.stage``, checking each step."""
     from fxquant.api import convert, prepare
 
@@ -127,8 +129,8 @@ def rebuild(directory: Path, manifest: Manifest, model: nn.Module,
     quantized = convert(prepared, backend=manifest.backend, keep_float=manifest.keep_float,
                         layer_backends=manifest.layer_backends or None)
     if "converted" in manifest.graphs:
-        check_graph(quantized, manifest.graphs["converted"], "converted")
-    check_weights(quantized, load_role(directory, manifest, "quantized"))
+        check_graph(graph_of(quantized), manifest.graphs["converted"], "converted")
+    check_weights(graph_of(quantized), load_role(directory, manifest, "quantized"))
     return quantized
 
 

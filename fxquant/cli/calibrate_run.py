@@ -26,7 +26,7 @@ def _run(args: argparse.Namespace, *, distributed: bool) -> tuple[Path, Any, Any
 
     directory, manifest = open_run(args.run_dir)
     data = load_data(data_options(args))
-    prepared = rebuild_run(directory, manifest, trust_options(args), stage="prepared").model
+    prepared = rebuild_run(directory, manifest, trust_options(args), stage="prepared").graph
     summary = calibrate(prepared, data, num_batches=args.batches, progress=not args.quiet,
                         skip_nonfinite=args.skip_nonfinite, checkpoint=directory / CHECKPOINT,
                         checkpoint_every=args.checkpoint_every, resume=args.resume, distributed=distributed)

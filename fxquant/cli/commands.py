@@ -152,7 +152,7 @@ def _export(args: argparse.Namespace) -> int:
 
     directory, manifest = open_run(args.run_dir, needs="calibrated" if args.backend else "converted")
     if args.backend and args.backend != manifest.backend:
-        prepared = rebuild_run(directory, manifest, trust_options(args), stage="calibrated").model
+        prepared = rebuild_run(directory, manifest, trust_options(args), stage="calibrated").graph
         quantized = convert(prepared, backend=args.backend)
     else:
         quantized = rebuild_run(directory, manifest, trust_options(args)).model

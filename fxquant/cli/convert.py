@@ -27,6 +27,7 @@ from fxquant.cli.data import DataOptions, load_data
 from fxquant.cli.rundir import advance, open_run, rebuild_run
 from fxquant.cli.specs import metric_spec, parse_example_inputs
 from fxquant.errors import InputError
+from fxquant.state import graph_of
 
 EXIT_BUDGET_MISSED = 3
 DEFAULT_MAX_TRIALS = 16
@@ -92,10 +93,10 @@ def _plain(args: argparse.Namespace) -> int:
     from fxquant.api import convert
 
     directory, manifest = open_run(args.run_dir, needs="calibrated")
-    prepared = rebuild_run(directory, manifest, trust_options(args), stage="calibrated").model
+    prepared = rebuild_run(directory, manifest, trust_options(args), stage="calibrated").graph
     timing = parse_example_inputs(args.example_inputs) if args.example_inputs else None
     quantized = convert(prepared, backend=args.backend, example_inputs=timing)
-    _write(args, prepared, quantized, extra={})
+    _write(args, prepared, graph_of(quantized), extra={})
     return 0
 
 
@@ -137,14 +138,14 @@ def _within_budget(args: argparse.Namespace) -> int:
     model, prepared, example = rebuild_run(directory, manifest, trust_options(args), stage="calibrated")
     metric = resolve_metric(metric_spec(args.metric))  # the same names and specs as fxquant report
     eval_fn = functools.partial(score, data=load_data(_eval_options(args)), metric=metric,
-                                params=forward_parameters(prepared)[0])
+                                params=forward_parameters(graph_of(prepared))[0])
     calibration = load_data(data_options(args))
     budget = args.max_accuracy_drop / metric.points_per_unit
     config = manifest.quant_config()
     config = dataclasses.replace(config, backend=args.backend) if args.backend else config
     qmodel = quantize_within_budget(model, example, calibration, config, eval_fn=eval_fn,
                                     max_accuracy_drop=budget, max_trials=args.max_trials, progress=not args.quiet)
-    result = qmodel.meta["fxquant_fallback"]
+    result = graph_of(qmodel).meta["fxquant_fallback"]
     assert result.prepared is not None
     # The search's model itself: RUN_DIR records its convert-time keep_float and rebuilds it exactly (measured again
     # here all the same: what is written is what the verdict is about).
@@ -158,7 +159,7 @@ def _within_budget(args: argparse.Namespace) -> int:
     written_line = f"written to RUN_DIR: {metric.name} {written_metric:.4f}; {verdict}"
     table = "" if args.json else f"{result.to_markdown()}\n\n{written_line}\n"
     float_layers = list(result.float_layers)
-    _write(args, result.prepared, written, text=table,
+    _write(args, result.prepared, graph_of(written), text=table,
            extra={"max_accuracy_drop": args.max_accuracy_drop, "metric": metric.name, "met_budget": met,
                   "float_metric": result.float_metric, "int8_metric": written_metric, "drop_points": drop_points,
                   "float_layers": float_layers, "trials": len(result.trials)})

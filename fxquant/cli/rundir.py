@@ -24,6 +24,7 @@ from fxquant.cli.trust import remember
 from fxquant.config import QuantConfig
 from fxquant.errors import ArtifactError, CalibrationError, InputError
 from fxquant.serialization import state_dict_sha256
+from fxquant.state import graph_of
 
 INPUTS = "inputs"  # the files role of the stored example inputs: {"example_inputs": tuple}
 _PLAIN = (int, float, bool, str, type(None))
@@ -34,8 +35,13 @@ class Rebuilt(NamedTuple):
     """A run rebuilt by a later stage: the float model, the run's model at the stage asked for, the example inputs."""
 
     float_model: nn.Module
-    model: fx.GraphModule
+    model: nn.Module  # a GraphModule, or a drop-in model (fxquant.state.drop_in)
     example_inputs: tuple[Any, ...]
+
+    @property
+    def graph(self) -> fx.GraphModule:
+        """``model`` as the GraphModule fxquant keeps its state on (a prepared model is one already)."""
+        return graph_of(self.model)
 
 
 def _check_target(directory: Path, overwrite: bool) -> None:

@@ -21,9 +21,8 @@ from fxquant.nn.layers import LOOKUP_TYPES, layer_kind
 from fxquant.nn.quantized import DeQuantize, Quantize, _QuantizedWeighted
 from fxquant.nn.shared_quantize import SharedQuantize
 from fxquant.observers import Observer
-from fxquant.passes.islands import WRAPPED
 from fxquant.passes.meta import LAYER_SETTINGS
-from fxquant.state import STATE_KEY, QuantState, quant_state
+from fxquant.state import STATE_KEY, WRAPPED, QuantState, graph_of, quant_state
 
 
 @dataclass(frozen=True)
@@ -176,7 +175,7 @@ def _run_counting(gm: fx.GraphModule, example: tuple[Any, ...]) -> dict[int, int
         return {}
 
 
-def coverage(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None = None) -> Coverage:
+def coverage(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> Coverage:
     """The coverage of a model returned by ``prepare`` (what will be INT8) or ``convert`` (what is INT8).
 
     ``example_inputs``: the inputs whose multiply-adds weigh the layers (default: random ones shaped like
@@ -184,6 +183,7 @@ def coverage(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None = None) 
 
         print(fxquant.coverage(qmodel))
     """
+    gm = graph_of(gm)  # a drop-in model: the GraphModule behind it
     found: list[tuple[nn.Module, LayerCoverage]] = []
     breaks: dict[str, str] = {}
     counts: dict[type[nn.Module], int] = {Quantize: 0, DeQuantize: 0}

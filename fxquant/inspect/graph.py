@@ -9,6 +9,7 @@ from torch import fx, nn
 
 from fxquant.nn.quantized import DeQuantize, Quantize, _BackendModule
 from fxquant.observers import Observer
+from fxquant.state import graph_of
 
 
 def node_role(node: fx.Node, modules: dict[str, nn.Module]) -> str:
@@ -32,8 +33,9 @@ def _short(value: object, width: int = 48) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def format_graph(gm: fx.GraphModule) -> str:
+def format_graph(gm: nn.Module) -> str:
     """The table ``print_graph`` prints, as a string."""
+    gm = graph_of(gm)  # a drop-in model: the GraphModule behind it
     modules = dict(gm.named_modules())
     header = ("opcode", "name", "target", "args", "kwargs", "quant")
     rows = [header]
@@ -47,7 +49,7 @@ def format_graph(gm: fx.GraphModule) -> str:
     return "\n".join(lines)
 
 
-def print_graph(gm: fx.GraphModule, file: TextIO | None = None) -> None:
+def print_graph(gm: nn.Module, file: TextIO | None = None) -> None:
     """Print the graph of ``gm`` as a table, like ``graph.print_tabular()`` plus a quantization column.
 
     Example::

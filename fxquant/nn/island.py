@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxquant.nn.quantized import _QuantizedWeighted
+
 SURFACE_KEY = "fxquant_surface"  # in GraphModule.meta, which deepcopy preserves
 
 
@@ -39,7 +41,7 @@ def surface_of(module: nn.Module, path: str, *, layer: str | None = None, transp
 
 def _float_weight(layer: nn.Module, name: str) -> Any:
     inner = getattr(layer, "inner", layer)  # a Fused layer keeps its Linear/Conv as ``inner``
-    if name == "weight" and hasattr(inner, "dequantized_weight"):
+    if name == "weight" and isinstance(inner, _QuantizedWeighted):
         return inner.dequantized_weight()
     value = getattr(inner, name)
     return value.detach().float() if isinstance(value, torch.Tensor) and not value.is_floating_point() else value

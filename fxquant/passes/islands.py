@@ -31,7 +31,7 @@ from fxquant.nn.shared_quantize import SharedQuantize
 from fxquant.passes._graph import replace_submodule
 from fxquant.passes.lower import lower_to_int8
 from fxquant.passes.pipeline import prepare_graph
-from fxquant.state import STATE_KEY, QuantState, quant_state
+from fxquant.state import STATE_KEY, WRAPPED, QuantState, quant_state
 from fxquant.tracing import GraphBreak, trace_partially
 
 
@@ -87,9 +87,6 @@ def prepare_islands(gm: fx.GraphModule, breaks: tuple[GraphBreak, ...], config: 
         for name in dict(block.named_children()):
             _prepare_child(block, name, f"{prefix}{graph_break.path}.{name}", config, found)
     return found
-
-
-WRAPPED = "model"  # the attribute under which an untraceable root is kept by ``wrap_untraceable_root``
 
 
 def wrap_untraceable_root(model: nn.Module, config: QuantConfig) -> tuple[fx.GraphModule, list[GraphBreak]]:

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from fxquant.errors import ConfigError, InputError
 from fxquant.report.environment import describe_environment
@@ -22,10 +22,10 @@ from fxquant.report.metrics import MetricFn, resolve_metric
 from fxquant.report.schema import Report
 from fxquant.report.sections import Latency, LatencyPoint, Size
 from fxquant.report.size import serialized_size
-from fxquant.state import QuantState, quant_state
+from fxquant.state import QuantState, graph_of, quant_state
 
 
-def _check_models(float_model: nn.Module, quantized: fx.GraphModule) -> QuantState:
+def _check_models(float_model: nn.Module, quantized: nn.Module) -> QuantState:
     if not isinstance(float_model, nn.Module):
         raise InputError(f"float_model must be a torch.nn.Module, got {type(float_model).__name__}")
     if float_model.training:
@@ -47,7 +47,7 @@ def _check_options(batch_sizes: Sequence[int] | None, threads: int | None, laten
         raise ConfigError(f"latency_budget_s must be > 0 seconds, got {latency_budget_s!r}")
 
 
-def report(float_model: nn.Module, quantized: fx.GraphModule, eval_data: Iterable[Any], *,
+def report(float_model: nn.Module, quantized: nn.Module, eval_data: Iterable[Any], *,
            metric: str | MetricFn = "top1", batch_sizes: Sequence[int] | None = None, threads: int | None = None,
            latency_budget_s: float = 10.0, progress: bool = True, max_batches: int | None = None,
            layer_batches: int = 4, higher_is_better: bool = True) -> Report:
@@ -72,7 +72,7 @@ def report(float_model: nn.Module, quantized: fx.GraphModule, eval_data: Iterabl
     _check_options(batch_sizes, threads, latency_budget_s)
     threads = threads or torch.get_num_threads()
     plan = EvalPlan(resolve_metric(metric), max_batches, max(0, layer_batches), progress, higher_is_better)
-    probe = LayerProbe(float_model, quantized, state)
+    probe = LayerProbe(float_model, graph_of(quantized), state)  # a drop-in model: the graph behind it
     evaluation = evaluate(float_model, quantized, eval_data, plan, probe)
     timings = measure_batch_sizes({"float": float_model, "quantized": quantized}, evaluation.first_inputs,
                                   list(batch_sizes or [evaluation.batch_size]), time_budget_s=latency_budget_s,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 from tqdm import tqdm
 
 from fxquant.calibration.adapters import batch_size_of, forward_parameters, iterate_batches, to_call_args
@@ -21,6 +21,7 @@ from fxquant.errors import FxQuantError, InputError
 from fxquant.report.layers import LayerProbe
 from fxquant.report.metrics import FidelityMeter, Metric, WeightedMean, metric_value, split_batch
 from fxquant.report.sections import Accuracy, Fidelity
+from fxquant.state import graph_of
 
 CallArgs = tuple[tuple[Any, ...], dict[str, Any]]
 
@@ -85,10 +86,10 @@ def score(model: nn.Module, data: Iterable[Any], metric: Metric, params: list[st
 
 
 @torch.inference_mode()
-def evaluate(float_model: nn.Module, quantized: fx.GraphModule, data: Iterable[Any], plan: EvalPlan,
+def evaluate(float_model: nn.Module, quantized: nn.Module, data: Iterable[Any], plan: EvalPlan,
              probe: LayerProbe | None = None) -> Evaluation:
     """Run every batch (up to ``plan.max_batches``) through both models; see :class:`EvalPlan`."""
-    params, _ = forward_parameters(quantized)
+    params, _ = forward_parameters(graph_of(quantized))  # the placeholders: a drop-in model's graph's
     scores = {"float": WeightedMean(), "quantized": WeightedMean()}
     meter = FidelityMeter()
     first: CallArgs | None = None

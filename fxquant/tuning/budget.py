@@ -36,6 +36,7 @@ from fxquant.calibration.adapters import iterate_batches
 from fxquant.config import QuantConfig
 from fxquant.errors import ConfigError
 from fxquant.report.latency import measure_latency
+from fxquant.state import graph_of
 from fxquant.tuning.sensitivity import layer_sqnr
 
 log = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ def _reiterable(data: Iterable[Any]) -> bool:
 
 
 def _refit(model: nn.Module, example: tuple[Any, ...], data: Iterable[Any], search: _Search,
-           calibrate_fn: Callable[[fx.GraphModule, Iterable[Any]], object]) -> fx.GraphModule:
+           calibrate_fn: Callable[[fx.GraphModule, Iterable[Any]], object]) -> nn.Module:
     """Quantize afresh with the chosen layers excluded by config, so the model saves and loads as usual."""
     result = search.result
     result.chosen = _choose(result.trials)
@@ -230,7 +231,7 @@ def _check(eval_fn: Any, max_accuracy_drop: Any, max_trials: Any) -> None:
 def quantize_within_budget(model: nn.Module, example_inputs: Any, data: Iterable[Any],
                            config: QuantConfig | None = None, *, eval_fn: EvalFn, max_accuracy_drop: float,
                            max_trials: int = 16, num_batches: int | None = None,
-                           progress: bool = True) -> fx.GraphModule:
+                           progress: bool = True) -> nn.Module:
     """Quantize ``model`` keeping the fewest layers float so that ``eval_fn`` drops by at most ``max_accuracy_drop``.
 
     ``eval_fn(model) -> float`` scores any model (higher is better); the drop is in its units. At most
@@ -257,9 +258,9 @@ def quantize_within_budget(model: nn.Module, example_inputs: Any, data: Iterable
     baseline = search.trial([], "all INT8")
     assert baseline is not None
     if not baseline.met_budget:
-        result.sensitivity = layer_sqnr(prepared, convert(prepared), sample)
+        result.sensitivity = layer_sqnr(prepared, graph_of(convert(prepared)), sample)
         search_layers(search, result.sensitivity)
     qmodel = _refit(model, example, data, search, calibrate_fn)
-    qmodel.meta[FALLBACK_KEY] = result
+    graph_of(qmodel).meta[FALLBACK_KEY] = result  # the GraphModule behind a drop-in model
     log.info("accuracy-budget fallback:\n%s", result.to_markdown())
     return qmodel

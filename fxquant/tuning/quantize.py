@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from torch import fx, nn
+from torch import nn
 
 from fxquant.api import convert, prepare
 from fxquant.calibration import calibrate
@@ -18,7 +18,7 @@ from fxquant.tuning.budget import quantize_within_budget
 def quantize(model: nn.Module, example_inputs: Any, data: Iterable[Any], config: QuantConfig | None = None, *,
              num_batches: int | None = None, progress: bool = True,
              eval_fn: Callable[[nn.Module], float] | None = None, max_accuracy_drop: float | None = None,
-             max_trials: int = 16) -> fx.GraphModule:
+             max_trials: int = 16) -> nn.Module:
     """``prepare`` + ``calibrate`` + ``convert`` in one call. Example::
 
         qmodel = fxquant.quantize(model.eval(), (x,), loader, num_batches=32)
