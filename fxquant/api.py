@@ -41,7 +41,7 @@ from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
 from fxquant.runtime import runner
 from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
 from fxquant.state import STATE_KEY, InputSpec, QuantState, drop_in, quant_state, update_state
-from fxquant.tracing import GraphBreak, trace, trace_partially
+from fxquant.tracing import GraphBreak, trace, trace_partially, user_location
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,17 @@ def _run_example(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
         raise InputError(f"the model rejects the example inputs ({_describe(example_inputs)}): {reason}") from exc
 
 
+def _check_islands(model: nn.Module, gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
+    """Run ``gm`` with its INT8 islands in place: a read of a replaced layer's attribute that the island cannot
+    answer fails here, at prepare, naming the island, the user's line and the fix."""
+    try:
+        _run_example(gm, example_inputs)
+    except InputError as error:
+        where = user_location(error.__cause__) if error.__cause__ is not None else "unknown location"
+        raise TraceError(f"{type(model).__name__} runs with INT8 islands inside its untraceable blocks, and fails "
+                         f"at {where}: {error}") from error
+
+
 def _rejects(model: nn.Module, example_inputs: tuple[Any, ...]) -> bool:
     """Whether the user's own float model fails on the example inputs (bad inputs, rather than a bad rewrite)."""
     try:
@@ -135,13 +146,16 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
     except InputError as error:
         if not wrapped or _rejects(model, example_inputs):
             raise
+        where = user_location(error.__cause__) if error.__cause__ is not None else "unknown location"
         raise TraceError(f"{type(model).__name__}'s forward does not trace, and run as written with its layers "
-                         f"swapped for INT8 islands it fails: {error}. It probably reads a layer's attributes "
-                         "(e.g. `F.linear(x, self.fc.weight)`); make the forward traceable (partial_tracing=False "
-                         "names the line that is not)") from error
+                         f"swapped for INT8 islands it fails at {where}: {error}. If it reads a layer's attributes "
+                         "(e.g. `F.linear(x, self.fc.weight)`), exclude that layer, or make the forward traceable "
+                         "(partial_tracing=False names the line that is not)") from error
     if not wrapped:
         gm = prepare_graph(gm, config)
         breaks = (*breaks, *prepare_islands(gm, breaks, config))
+        if prepared_islands(gm):  # the graph reads through untraceable blocks, whose layers are islands now
+            _check_islands(model, gm, example_inputs)
     specs = tuple(InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
                   for v in example_inputs if isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped,

@@ -63,9 +63,14 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
     return frames[-1] if frames else None
 
 
-def _failure(exc: BaseException, path: str | None) -> GraphBreak:
+def user_location(exc: BaseException) -> str:
+    """``file:line: `source``` of the innermost line of ``exc``'s traceback the user wrote (not torch, not fxquant)."""
     frame = _user_frame(exc)
-    location = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "unknown location"
+    return f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "unknown location"
+
+
+def _failure(exc: BaseException, path: str | None) -> GraphBreak:
+    location = user_location(exc)
     reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     return GraphBreak(path or "", location, reason)
 

@@ -47,8 +47,8 @@ def _single_layer_graph(name: str, layer: nn.Module) -> fx.GraphModule:
 def _prepare_child(parent: nn.Module, name: str, path: str, config: QuantConfig, found: list[GraphBreak]) -> None:
     """Make ``parent.<name>`` an island if it traces, else descend; untraceable forwards are added to ``found``."""
     child = parent.get_submodule(name)
-    if not holds_quantizable(child):
-        return
+    if not holds_quantizable(child) or not config.settings_for(path, type(child).__name__).quantize:
+        return  # nothing to quantize, or excluded by the config: the module stays exactly as the user wrote it
     breaks: tuple[GraphBreak, ...] = ()
     if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # containers have no forward: look inside
         for item in dict(child.named_children()):

@@ -34,8 +34,16 @@ def _ids(g: torch.Generator, mask: bool = True, vocab: int = VOCAB) -> Inputs:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)} if mask else {"input_ids": ids}
 
 
+def _tokens(g: torch.Generator) -> Inputs:
+    return _ids(g, mask=False)
+
+
 def _pixels(g: torch.Generator, size: int = 32) -> Inputs:
     return {"pixel_values": torch.randn(BATCH, 3, size, size, generator=g)}
+
+
+def _image(g: torch.Generator) -> Inputs:
+    return {"x": _pixels(g)["pixel_values"]}
 
 
 def _audio(g: torch.Generator) -> Inputs:
@@ -57,7 +65,20 @@ WHISPER = dict(vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2,
 
 
 def _hf(model_class: type, config_class: type, **options: Any) -> Callable[[], nn.Module]:
-    return lambda: model_class(config_class(**options)).eval()
+    return lambda: _trained_batchnorm(model_class(config_class(**options))).eval()
+
+
+def _trained_batchnorm(model: nn.Module) -> nn.Module:
+    """BatchNorm statistics and affine parameters that are not the identity (as after training), so folding them is
+    exercised; transformers' random init also draws BatchNorm weights of ~0.02, which makes MobileViT output 0."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            with torch.no_grad():
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.1)
+                module.running_mean.normal_(0.0, 0.1)
+                module.running_var.uniform_(0.5, 1.5)
+    return model
 
 
 def _whisper_encoder() -> nn.Module:
@@ -73,7 +94,7 @@ def _mel_and_tokens(g: torch.Generator) -> Inputs:
 
 
 def _decoder(model: type, config: type, **options: Any) -> Arch:
-    return Arch(_hf(model, config, **{**DECODER, **options}), lambda g: _ids(g))
+    return Arch(_hf(model, config, **{**DECODER, **options}), _tokens)
 
 
 # --- CNNs written as efficientnet_pytorch and timm write them ----------------------------------------------------
@@ -239,7 +260,7 @@ ARCHS: dict[str, Arch] = {
     "t5_encoder": Arch(_hf(tf.T5EncoderModel, tf.T5Config, vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128,
                            num_layers=2, num_heads=4), _ids, "last_hidden_state"),
     "gpt2": Arch(_hf(tf.GPT2LMHeadModel, tf.GPT2Config, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4,
-                     n_positions=64), lambda g: _ids(g)),
+                     n_positions=64), _tokens),
     "opt": _decoder(tf.OPTForCausalLM, tf.OPTConfig, ffn_dim=128, word_embed_proj_dim=64, pad_token_id=1),
     "llama": _decoder(tf.LlamaForCausalLM, tf.LlamaConfig, num_key_value_heads=2),
     "qwen2": _decoder(tf.Qwen2ForCausalLM, tf.Qwen2Config, num_key_value_heads=2),
@@ -254,11 +275,11 @@ ARCHS: dict[str, Arch] = {
     "dinov2": Arch(_hf(tf.Dinov2ForImageClassification, tf.Dinov2Config, **VIT), _pixels),
     "swin": Arch(_hf(tf.SwinForImageClassification, tf.SwinConfig, image_size=32, patch_size=2, embed_dim=32,
                      depths=[1, 1], num_heads=[2, 4], window_size=4, num_labels=10), _pixels),
-    "convnext": Arch(_hf(tf.ConvNextForImageClassification, tf.ConvNextConfig, hidden_sizes=[32, 64], depths=[1, 1],
-                         num_labels=10), _pixels),
-    "mobilevit": Arch(_hf(tf.MobileViTForImageClassification, tf.MobileViTConfig, image_size=64, patch_size=2,
+    "convnext": Arch(_hf(tf.ConvNextForImageClassification, tf.ConvNextConfig, num_stages=2, hidden_sizes=[32, 64],
+                         depths=[1, 1], layer_scale_init_value=0.5, num_labels=10), _pixels),
+    "mobilevit": Arch(_hf(tf.MobileViTForImageClassification, tf.MobileViTConfig, image_size=32, patch_size=2,
                           hidden_sizes=[32, 48, 64], neck_hidden_sizes=[8, 16, 24, 32, 48, 64, 128],
-                          num_attention_heads=2, num_labels=10), lambda g: _pixels(g, 64)),
+                          num_attention_heads=2, expand_ratio=2.0, num_labels=10), _pixels),
     "segformer": Arch(_hf(tf.SegformerForSemanticSegmentation, tf.SegformerConfig, num_encoder_blocks=2,
                           depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[32, 64], patch_sizes=[7, 3], strides=[4, 2],
                           num_attention_heads=[1, 2], mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=5),
@@ -269,8 +290,8 @@ ARCHS: dict[str, Arch] = {
     "hubert": Arch(_hf(tf.HubertModel, tf.HubertConfig, **SPEECH), _audio, "last_hidden_state"),
     "whisper_encoder": Arch(_whisper_encoder, _mel, "last_hidden_state"),
     "whisper_decoder": Arch(_hf(tf.WhisperForConditionalGeneration, tf.WhisperConfig, **WHISPER), _mel_and_tokens),
-    "efficientnet_style": Arch(lambda: EfficientNetStyle().eval(), _pixels, 0),
-    "convnext_timm_style": Arch(lambda: ConvNeXtTimmStyle().eval(), _pixels, 0),
+    "efficientnet_style": Arch(lambda: _trained_batchnorm(EfficientNetStyle()).eval(), _image, 0),
+    "convnext_timm_style": Arch(lambda: ConvNeXtTimmStyle().eval(), _image, 0),
 }
 
 
