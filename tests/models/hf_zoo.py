@@ -295,8 +295,8 @@ ARCHS: dict[str, Arch] = {
 }
 
 
-def build(name: str) -> nn.Module:
-    torch.manual_seed(0)
+def build(name: str, seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
     return ARCHS[name].build()
 
 
