@@ -40,7 +40,7 @@ from fxquant.passes.pipeline import prepare_graph
 from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
 from fxquant.runtime import runner
 from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
-from fxquant.state import STATE_KEY, InputSpec, QuantState, drop_in, quant_state, update_state
+from fxquant.state import NONE, STATE_KEY, InputSpec, QuantState, drop_in, quant_state, update_state
 from fxquant.tracing import GraphBreak, trace, trace_partially, user_location
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,19 @@ def _run_example(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
 
 def _check_islands(model: nn.Module, gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> None:
     """Run ``gm`` with its INT8 islands in place: a read of a replaced layer's attribute that the island cannot
-    answer fails here, at prepare, naming the island, the user's line and the fix."""
+    answer fails here, at prepare, naming the island, the user's line and the fix. The observers see this run,
+    so their state is put back after it: prepare calibrates nothing."""
+    saved = [(observer, copy.deepcopy(observer.__dict__)) for observer in observers_of(gm).values()]
     try:
         _run_example(gm, example_inputs)
     except InputError as error:
         where = user_location(error.__cause__) if error.__cause__ is not None else "unknown location"
         raise TraceError(f"{type(model).__name__} runs with INT8 islands inside its untraceable blocks, and fails "
                          f"at {where}: {error}") from error
+    finally:
+        for observer, state in saved:
+            observer.__dict__.clear()
+            observer.__dict__.update(state)
 
 
 def _rejects(model: nn.Module, example_inputs: tuple[Any, ...]) -> bool:
@@ -156,8 +162,8 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
         breaks = (*breaks, *prepare_islands(gm, breaks, config))
         if prepared_islands(gm):  # the graph reads through untraceable blocks, whose layers are islands now
             _check_islands(model, gm, example_inputs)
-    specs = tuple(InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
-                  for v in example_inputs if isinstance(v, torch.Tensor))
+    specs = tuple(InputSpec((), NONE) if v is None else InputSpec(tuple(v.shape), str(v.dtype).removeprefix("torch."))
+                  for v in example_inputs if v is None or isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped,
                                     channels_last=runs_channels_last(gm, example_inputs))
     if not observers_of(gm):  # documented (docs/robustness.md): a no-op, not an error, so all-float fallbacks work

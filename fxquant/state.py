@@ -11,6 +11,7 @@ from fxquant.config import QuantConfig
 from fxquant.errors import InputError
 from fxquant.tracing import GraphBreak
 
+NONE = "none"  # InputSpec.dtype of a positional None
 STATE_KEY = "fxquant_state"  # key in GraphModule.meta, which deepcopy preserves
 WRAPPED = "model"  # the attribute under which a GraphModule keeps an untraceable root (QuantState.wrapped)
 GRAPH_KEY = "_fxquant_graph"  # in a drop-in model's __dict__: the GraphModule fxquant keeps its state on
@@ -18,12 +19,15 @@ GRAPH_KEY = "_fxquant_graph"  # in a drop-in model's __dict__: the GraphModule f
 
 @dataclass(frozen=True)
 class InputSpec:
-    """Shape and dtype of one example input: enough to re-trace the model without the original tensors."""
+    """Shape and dtype of one example input: enough to re-trace the model without the original tensors. A ``None``
+    passed in a position (``model(features, None, ids)``) is kept as dtype ``"none"``, so later inputs keep theirs."""
 
     shape: tuple[int, ...]
     dtype: str
 
-    def make(self) -> torch.Tensor:
+    def make(self) -> torch.Tensor | None:
+        if self.dtype == NONE:
+            return None
         dtype = getattr(torch, self.dtype)
         return torch.zeros(self.shape, dtype=dtype) if not dtype.is_floating_point else torch.randn(self.shape,
                                                                                                        dtype=dtype)

@@ -30,7 +30,7 @@ import torch
 from fxquant.config import QuantConfig
 from fxquant.errors import ArtifactError
 from fxquant.serialization import atomic_write, sha256_bytes, sha256_file
-from fxquant.state import InputSpec
+from fxquant.state import NONE, InputSpec
 
 FORMAT = "fxquant-artifact"
 FORMAT_VERSION = 1
@@ -78,7 +78,7 @@ class Manifest:
         specs = []
         for spec in self.example_inputs:
             shape, dtype = (spec.get("shape"), spec.get("dtype")) if isinstance(spec, dict) else (None, None)
-            if not (isinstance(dtype, str) and isinstance(getattr(torch, dtype, None), torch.dtype)
+            if not (isinstance(dtype, str) and (dtype == NONE or isinstance(getattr(torch, dtype, None), torch.dtype))
                     and isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
                     and math.prod(shape) <= MAX_INPUT_ELEMENTS):
                 raise ArtifactError(f"the manifest's example-input spec {spec!r} is not a shape and torch dtype "

@@ -17,6 +17,7 @@ from torch import fx, nn
 
 from fxquant.inspect.macs import model_macs
 from fxquant.nn.fused import COMPUTE_TYPES, Fused
+from fxquant.nn.island import SURFACE_KEY, Surface
 from fxquant.nn.layers import LOOKUP_TYPES, layer_kind
 from fxquant.nn.quantized import DeQuantize, Quantize, _QuantizedWeighted
 from fxquant.nn.shared_quantize import SharedQuantize
@@ -124,6 +125,17 @@ def _row(gm: fx.GraphModule, node: fx.Node, path: str, state: QuantState) -> Lay
     return LayerCoverage(path, kind, False, reason)
 
 
+def _as_replaced_layer(graph: fx.GraphModule, rows: list[tuple[nn.Module, LayerCoverage]]
+                       ) -> list[tuple[nn.Module, LayerCoverage]]:
+    """An island that replaced one layer (a Linear subclass with its own forward, traced) computes it with one
+    module of its own: report that row at the layer's path, as the user knows it."""
+    surface = graph.meta.get(SURFACE_KEY)
+    if isinstance(surface, Surface) and surface.kind is not None and len(rows) == 1:
+        module, row = rows[0]
+        return [(module, replace(row, path=surface.path))]
+    return rows
+
+
 def _computed_by_a_child(path: str, seen: set[str]) -> bool:
     """A layer subclass traced through (its ``F.conv2d`` became a module under it) is reported by that child."""
     return any(other.startswith(f"{path}.") for other in seen)
@@ -169,7 +181,7 @@ def _macs(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> dict[in
 def _run_counting(gm: fx.GraphModule, example: tuple[Any, ...]) -> dict[int, int]:
     try:
         return model_macs(gm, example)
-    except (RuntimeError, TypeError, ValueError, IndexError) as error:  # coverage must not fail on a bad example
+    except Exception as error:  # coverage must not fail on an example the model does not take
         log.warning("fxquant.coverage: multiply-adds not counted: the model does not run on the example inputs "
                     "(%s: %s)", type(error).__name__, str(error).splitlines()[0] if str(error) else "")
         return {}
@@ -191,6 +203,7 @@ def coverage(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> Co
     for graph, prefix, state in _graphs(gm):
         breaks |= {prefix + b.path: f"inside untraceable {_block(prefix + b.path)}: {b.reason} ({b.location})"
                    for b in state.graph_breaks}
+        graph_rows: list[tuple[nn.Module, LayerCoverage]] = []
         for node in graph.graph.nodes:
             if node.op != "call_module":
                 continue
@@ -203,7 +216,8 @@ def coverage(gm: nn.Module, example_inputs: tuple[Any, ...] | None = None) -> Co
             counts[kind] = counts.get(kind, 0) + 1
             row = _row(graph, node, prefix + str(node.target), state)
             if row is not None:
-                found.append((module, row))
+                graph_rows.append((module, row))
+        found += _as_replaced_layer(graph, graph_rows)
     seen = {row.path for _, row in found}
     found += [(m, row) for m, row in _unreached(gm, seen, breaks) if not _is_island_layer(row.path, seen)]
     macs = _macs(gm, example_inputs)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 COMPUTE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d,
                                                nn.ConvTranspose2d)
@@ -35,10 +36,20 @@ def add_relu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.relu(a + b)
 
 
+def is_plain_layer(module: nn.Module) -> bool:
+    """A Linear/Conv that computes exactly what its torch class computes: the class itself, or the subclass
+    ``torch.nn.utils.parametrize`` makes for a reparametrized weight (``weight_norm``: Wav2Vec2's positional conv),
+    whose ``forward`` is the class's own and whose ``weight`` is computed on access."""
+    if type(module) in COMPUTE_TYPES:
+        return True
+    base = next((t for t in COMPUTE_TYPES if isinstance(module, t)), None)
+    return base is not None and parametrize.is_parametrized(module, "weight") and type(module).forward is base.forward
+
+
 def compute_module(m: nn.Module) -> nn.Linear | nn.modules.conv._ConvNd | None:
     """The Linear/Conv inside ``m`` if ``m`` is one (plain or fused), else None."""
     inner = m.inner if isinstance(m, Fused) else m
-    if type(inner) in COMPUTE_TYPES:
+    if is_plain_layer(inner):
         assert isinstance(inner, (nn.Linear, nn.modules.conv._ConvNd))
         return inner
     return None

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxquant.nn.layers import layer_kind
 from fxquant.nn.quantized import _QuantizedWeighted
 
 SURFACE_KEY = "fxquant_surface"  # in GraphModule.meta, which deepcopy preserves
@@ -29,6 +30,7 @@ class Surface:
     attributes: dict[str, Any] = field(default_factory=dict)  # plain attributes, by reference
     layer: str | None = None  # for an island of one layer: its name inside the island
     transposed: bool = False  # the replaced layer stored its weight (in, out) (transformers' Conv1D)
+    kind: str | None = None  # the replaced module's layer kind (nn.layers.layer_kind), if it was a layer
 
 
 def surface_of(module: nn.Module, path: str, *, layer: str | None = None, transposed: bool = False) -> Surface:
@@ -36,7 +38,7 @@ def surface_of(module: nn.Module, path: str, *, layer: str | None = None, transp
     module, parameter or buffer (those are the graph's business, or float copies not worth keeping), by reference."""
     attributes = {name: value for name, value in vars(module).items()
                   if not (name.startswith("_") or name == "training" or isinstance(value, nn.Module | torch.Tensor))}
-    return Surface(path, attributes, layer, transposed)
+    return Surface(path, attributes, layer, transposed, layer_kind(module))
 
 
 def _float_weight(layer: nn.Module, name: str) -> Any:

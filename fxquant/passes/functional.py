@@ -11,6 +11,7 @@ the same ``addmm`` call and the prepared model computes what the float one does,
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch import fx, nn
 from fxquant.passes._graph import finish, nodes_of, replace_submodule
 
 _CONV: dict[Any, type[nn.Module]] = {F.conv1d: nn.Conv1d, F.conv2d: nn.Conv2d, F.conv3d: nn.Conv3d}
+_MATMUL = (operator.matmul, torch.matmul)
 _CONV_PARAMS = ("stride", "padding", "dilation", "groups")
 _CONV_DEFAULTS: dict[str, Any] = {"stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
@@ -58,6 +60,26 @@ def _module_for(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
     return module
 
 
+def _transposed_param(gm: fx.GraphModule, arg: Any) -> nn.Parameter | None:
+    """The 2-d parameter ``arg`` reads as ``param.T`` / ``param.t()``, else None."""
+    if not isinstance(arg, fx.Node) or len(arg.args) < 1:
+        return None
+    is_t = (arg.op == "call_function" and arg.target is getattr and arg.args[1:] == ("T",)) or (
+        arg.op == "call_method" and arg.target == "t" and len(arg.args) == 1)
+    weight = _param(gm, arg.args[0]) if is_t else None
+    return weight if weight is not None and weight.dim() == 2 else None
+
+
+def _linear_from_matmul(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
+    """``x @ weight.T`` (Falcon's Linear): a Linear without bias over the same parameter."""
+    weight = _transposed_param(gm, node.args[1]) if len(node.args) == 2 and not node.kwargs else None
+    if weight is None:
+        return None
+    module = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    module.register_parameter("weight", weight)
+    return module
+
+
 def _linear_from_addmm(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
     """``torch.addmm(bias, x, weight)`` with parameters, default ``beta``/``alpha``: a Linear over ``weight.t()``."""
     args = dict(zip(("input", "mat1", "mat2"), node.args, strict=False)) | dict(node.kwargs)
@@ -71,7 +93,9 @@ def _linear_from_addmm(gm: fx.GraphModule, node: fx.Node) -> nn.Module | None:
 
 
 def _weight_argument(node: fx.Node) -> fx.Node:
-    if node.target is torch.addmm:
+    if node.target in _MATMUL:
+        weight = node.args[1].args[0]  # type: ignore[union-attr]  # checked by _transposed_param
+    elif node.target is torch.addmm:
         weight = node.args[2] if len(node.args) > 2 else node.kwargs["mat2"]
     else:
         weight = node.args[1] if len(node.args) > 1 else node.kwargs["weight"]
@@ -99,13 +123,15 @@ def _owner_path(gm: fx.GraphModule, node: fx.Node) -> str:
 
 
 def functional_to_modules(gm: fx.GraphModule) -> fx.GraphModule:
-    """Rewrite ``F.linear/convNd(x, <param>, <param>, ...)`` and ``torch.addmm(<param>, x, <param>)`` into calls of
-    modules at the parameters' owner path."""
+    """Rewrite ``F.linear/convNd(x, <param>, <param>, ...)``, ``torch.addmm(<param>, x, <param>)`` and ``x @
+    <param>.T`` into calls of modules at the parameters' owner path."""
     for node in nodes_of(gm):
         if node.op != "call_function":
             continue
         if node.target is torch.addmm:
             module, x = _linear_from_addmm(gm, node), node.args[1] if len(node.args) > 1 else node.kwargs.get("mat1")
+        elif node.target in _MATMUL:
+            module, x = _linear_from_matmul(gm, node), node.args[0]
         elif node.target is F.linear or node.target in _CONV:
             module, x = _module_for(gm, node), node.args[0] if node.args else node.kwargs["input"]
         else:

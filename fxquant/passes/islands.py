@@ -23,7 +23,7 @@ from torch import fx, nn
 from fxquant.config import QuantConfig
 from fxquant.errors import TraceError
 from fxquant.kernels.base import Backend
-from fxquant.nn.fused import COMPUTE_TYPES
+from fxquant.nn.fused import is_plain_layer
 from fxquant.nn.island import as_island, surface_of
 from fxquant.nn.layers import as_linear, holds_quantizable, is_transposed_linear
 from fxquant.nn.quantized import Quantize
@@ -55,7 +55,7 @@ def _prepare_child(parent: nn.Module, name: str, path: str, config: QuantConfig,
             _prepare_child(child, item, f"{path}.{item}", config, found)
         return
     layer = as_linear(child) if is_transposed_linear(child) else child
-    single = type(layer) in COMPUTE_TYPES  # one layer: a graph of one call, keeping the layer's own name
+    single = is_plain_layer(layer)  # one layer: a graph of one call, keeping the layer's own name
     if single:
         gm, prefix = _single_layer_graph(name, layer), path.removesuffix(name)
     else:
