@@ -1,4 +1,5 @@
-"""docs/backends.md, docs/amx.md, docs/quantization.md and docs/models.md run as written: their Python blocks execute in order."""
+"""docs/backends.md, docs/amx.md, docs/quantization.md and docs/models.md run as written: their Python blocks
+execute in order."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-@pytest.mark.parametrize(("name", "least"), [("backends.md", 2), ("amx.md", 1), ("quantization.md", 1), ("models.md", 1)])
+PAGES = [("backends.md", 2), ("amx.md", 1), ("quantization.md", 1), ("models.md", 1)]
+
+
+@pytest.mark.parametrize(("name", "least"), PAGES)
 def test_backend_doc_examples_run(name: str, least: int) -> None:
     doc = DOCS / name
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)

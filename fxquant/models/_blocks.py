@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from fxquant.errors import ConfigError
@@ -102,3 +105,19 @@ def settle_batchnorm(model: nn.Module, input_shape: tuple[int, ...], batch_size:
     model.eval()
     for norm, momentum in zip(norms, momenta, strict=True):
         norm.momentum = momentum
+
+
+class Conv2dStaticSamePadding(nn.Conv2d):
+    """efficientnet_pytorch's 'same' padding for a fixed image size: a ZeroPad2d child, then F.conv2d on its own
+    weight."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, groups: int = 1,
+                 image_size: int = 32, bias: bool = False) -> None:
+        super().__init__(in_channels, out_channels, kernel_size, stride, groups=groups, bias=bias)
+        out = math.ceil(image_size / stride)
+        pad = max((out - 1) * stride + kernel_size - image_size, 0)
+        self.static_padding = nn.ZeroPad2d((pad // 2, pad - pad // 2, pad // 2, pad - pad // 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.static_padding(x)
+        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)

@@ -18,6 +18,8 @@ import torch.nn.functional as F
 import transformers as tf
 from torch import nn
 
+from fxquant.models._blocks import Conv2dStaticSamePadding
+
 VOCAB, SEQ, BATCH = 512, 16, 2
 Inputs = dict[str, Any]
 
@@ -98,22 +100,6 @@ def _decoder(model: type, config: type, **options: Any) -> Arch:
 
 
 # --- CNNs written as efficientnet_pytorch and timm write them ----------------------------------------------------
-class Conv2dStaticSamePadding(nn.Conv2d):
-    """efficientnet_pytorch's 'same' padding for a fixed image size: a ZeroPad2d child, then F.conv2d on its own
-    weight."""
-
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, groups: int = 1,
-                 image_size: int = 32, bias: bool = False) -> None:
-        super().__init__(in_channels, out_channels, kernel_size, stride, groups=groups, bias=bias)
-        out = math.ceil(image_size / stride)
-        pad = max((out - 1) * stride + kernel_size - image_size, 0)
-        self.static_padding = nn.ZeroPad2d((pad // 2, pad - pad // 2, pad // 2, pad - pad // 2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.static_padding(x)
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
-
-
 class MemoryEfficientSwish(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.sigmoid(x)
