@@ -13,9 +13,9 @@ A trial-and-error tuner re-quantizes and re-evaluates blindly; this search spend
 
 The chosen set is then quantized afresh with ``QuantConfig.exclude`` extended (one more calibration, when the data
 can be iterated again), so the returned model saves and loads like any other; its own metric is the last row of the
-table. The best model found is always returned (never nothing), with ``qmodel.meta[FALLBACK_KEY]`` a
-:class:`FallbackResult` holding every trial; if the budget cannot be met, the result says so and the model is the
-closest one.
+table. The best model found is always returned (never nothing), with ``graph_of(qmodel).meta[FALLBACK_KEY]`` (the
+GraphModule behind a drop-in model; ``qmodel.meta`` for a GraphModule) a :class:`FallbackResult` holding every
+trial; if the budget cannot be met, the result says so and the model is the closest one.
 """
 
 from __future__ import annotations
@@ -236,13 +236,14 @@ def quantize_within_budget(model: nn.Module, example_inputs: Any, data: Iterable
 
     ``eval_fn(model) -> float`` scores any model (higher is better); the drop is in its units. At most
     ``max_trials`` conversions are evaluated (the final re-quantization comes on top). Returns the best model found;
-    ``qmodel.meta[FALLBACK_KEY]`` is the :class:`FallbackResult` (``print(result)`` shows the trial table). This is
-    what ``fxquant.quantize(..., eval_fn=..., max_accuracy_drop=...)`` and the CLI's ``--max-accuracy-drop`` call.
+    ``fxquant.state.graph_of(qmodel).meta[FALLBACK_KEY]`` is the :class:`FallbackResult` (``print(result)`` shows the
+    trial table). This is what ``fxquant.quantize(..., eval_fn=..., max_accuracy_drop=...)`` and the CLI's
+    ``--max-accuracy-drop`` call.
     Example::
 
         qmodel = quantize_within_budget(model, (x,), calib_loader, eval_fn=lambda m: accuracy(m, test_loader),
                                         max_accuracy_drop=0.005)
-        print(qmodel.meta["fxquant_fallback"])
+        print(graph_of(qmodel).meta["fxquant_fallback"])
     """
     _check(eval_fn, max_accuracy_drop, max_trials)
     config = config or QuantConfig()

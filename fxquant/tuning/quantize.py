@@ -25,7 +25,8 @@ def quantize(model: nn.Module, example_inputs: Any, data: Iterable[Any], config:
 
     With ``eval_fn`` (model -> metric, higher is better) and ``max_accuracy_drop`` (in metric units) it keeps the
     fewest layers float that bring the drop within the budget, in at most ``max_trials`` conversions, and returns
-    the best model found; ``qmodel.meta["fxquant_fallback"]`` holds every trial (see :mod:`fxquant.tuning.budget`)::
+    the best model found; ``fxquant.state.graph_of(qmodel).meta["fxquant_fallback"]``
+    holds every trial (see :mod:`fxquant.tuning.budget`)::
 
         qmodel = fxquant.quantize(model, (x,), loader, eval_fn=top1, max_accuracy_drop=0.005)
     """
