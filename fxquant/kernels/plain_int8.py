@@ -24,7 +24,7 @@ from fxquant.qparams import QParams, dequantize, quantize
 _ADAPTIVE_POOLS = {3: F.adaptive_avg_pool1d, 4: F.adaptive_avg_pool2d, 5: F.adaptive_avg_pool3d}
 _AVG_POOLS = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 _QUANTIZE_CHUNK = 1 << 18  # float32 elements per quantize step: a 1 MiB buffer that stays in L2
-_SMALL = 1 << 15  # up to this many elements quantize runs the formula as is (2-4x faster at 512 to 16K values)
+_SMALL = 1 << 15  # up to this many elements quantize runs the formula as is: chunking costs more than it saves
 _MEAN_POSITIONS = (2**32 - 1) // 255  # the C mean's 32-bit sums hold this many uint8 values per channel
 
 
@@ -42,9 +42,9 @@ def stored(values: torch.Tensor, qp: QParams, *, relu: bool = False, out: torch.
     """``clamp(round(values) + zero_point, qmin, qmax)`` as int16 (in ``out`` if given); rounds and clamps
     ``values`` in place. A ReLU is a clamp at the zero point.
 
-    int16, because torch converts float to int16 and int16 to uint8 with vector code but float to uint8 one value at
-    a time (3-4x slower); clamping to ``[qmin - zero_point, qmax - zero_point]`` before adding the zero point keeps
-    the result exact.
+    int16, because torch converts float to int16 and int16 to uint8 with vector code but float to uint8 one value
+    at a time (docs/backends.md, "Plain int8 ops"); clamping to ``[qmin - zero_point, qmax - zero_point]`` before
+    adding the zero point keeps the result exact.
     """
     zero_point = int(qp.zero_point)
     low = max(qp.qmin, zero_point) if relu else qp.qmin
@@ -81,8 +81,8 @@ def window_max(a: torch.Tensor, dim: int, kwargs: dict[str, Any]) -> torch.Tenso
     """``F.max_poolNd`` over non-overlapping windows (stride == kernel <= 4, no padding or dilation, floor mode) as
     element-wise maxima of strided views, in ``a``'s layout; None for other pools.
 
-    torch's integer max-pools are scalar loops on contiguous input (a channels-last 8x16x16x32x32 uint8 tensor:
-    8.2 ms with the copy, 0.30 ms here, bit-identical).
+    torch's integer max-pools are scalar loops on contiguous input, so a channels-last tensor is copied first; the
+    strided maxima need neither (bit-identical; docs/backends.md, "Plain int8 ops").
     """
     kernel = _per_dim(kwargs["kernel_size"], dim)
     plain = (_per_dim(kwargs.get("stride") or kernel, dim) == kernel and max(kernel) <= 4
@@ -104,9 +104,8 @@ def window_max(a: torch.Tensor, dim: int, kwargs: dict[str, Any]) -> torch.Tenso
 def _native_quantize(x: torch.Tensor, qp: QParams, channels_last: bool) -> torch.Tensor | None:
     """``qparams.quantize`` by the C loop (one read, one write per value; ``fxquant/native/csrc/elementwise.c``), or
     None where it does not apply: no C loop, not float32 on the CPU, per-channel, or memory that is neither contiguous
-    nor (4-d) channels-last. A contiguous NCHW input becomes channels-last in the same pass (1x3x224x224, one
-    thread: 103 us, against 335 us for the torch path, of which torch's NCHW -> NHWC copy of the 3-channel result
-    alone is 80 us)."""
+    nor (4-d) channels-last. A contiguous NCHW input becomes channels-last in the same pass, which saves the torch
+    path's separate NCHW -> NHWC copy (docs/backends.md, "Plain int8 ops")."""
     if (not native.available() or x.dtype != torch.float32 or x.device.type != "cpu" or qp.per_channel
             or qp.dtype not in (torch.uint8, torch.int8) or x.numel() == 0):
         return None
@@ -143,8 +142,8 @@ def _native_global_mean(a: torch.Tensor, qp: QParams, output_size: Any) -> torch
     """A global average pool (every output size 1) of uint8 activations by the C loop: one read of ``a``, exact
     integer rounding (the float64 path's result; float32 agrees but at a rounding tie a few ulps away). None where
     it does not apply: no C loop, another output size or dtype, per-channel qparams, spatial memory that is not
-    evenly spaced, more positions per channel than a 32-bit sum holds. One thread, channels-last: 7.5 vs 41 us at
-    1x64x1x3 (a classifier head), 61 vs 179 us at 1x96x56x56 (an SE block) against the torch path's passes."""
+    evenly spaced, more positions per channel than a 32-bit sum holds. One pass instead of the torch path's several
+    (docs/backends.md, "Plain int8 ops")."""
     ones = (1,) * (a.dim() - 2)
     pools_to_one = output_size == 1 if isinstance(output_size, int) else tuple(output_size) == ones
     if (not native.available() or not pools_to_one or a.dtype != torch.uint8
@@ -161,8 +160,8 @@ def _native_mul(a: torch.Tensor, b: torch.Tensor, qps: tuple[QParams, QParams, Q
                 dtype: torch.dtype) -> torch.Tensor | None:
     """``PlainInt8Backend.mul`` by the C loop, the same operations in ``dtype`` (so the same bits) in one pass:
     ``a`` full size, ``b`` of ``a``'s shape or broadcast over its positions (an SE gate, (N, C, 1, 1)). None where it
-    does not apply: no C loop, other dtypes or shapes, per-channel qparams, positions not evenly spaced. An SE
-    gate at 1x96x56x56 channels-last, one thread: 0.16 ms against 0.68 ms for the seven torch passes."""
+    does not apply: no C loop, other dtypes or shapes, per-channel qparams, positions not evenly spaced. One pass
+    instead of the torch path's seven (docs/backends.md, "Plain int8 ops")."""
     qa, qb, qout = qps
     if (not native.available() or a.dtype != torch.uint8 or b.dtype != torch.uint8 or qout.dtype != torch.uint8
             or dtype not in (torch.float32, torch.float64) or a.dim() < 3 or b.dim() != a.dim()
@@ -203,7 +202,7 @@ class PlainInt8Backend(Backend):
             return fast
         # Without the C loop (or for float16/float64, per-channel, odd strides): ``qparams.quantize`` step by step,
         # in place on buffers of a few samples that stay in cache: a model's input is its largest activation, and a
-        # fresh float copy of all of it costs page faults and memory traffic (measured 2x slower at 32x3x224x224).
+        # fresh float copy of all of it costs page faults and memory traffic (docs/backends.md, "Plain int8 ops").
         # The division reads ``x`` straight into the float buffer.
         if qp.per_channel or x.dim() < 2 or x.numel() <= _SMALL:
             q = quantize(x.detach(), qp)  # the plain formula: fewer ops, so faster below a few cache lines' worth
@@ -291,7 +290,7 @@ class PlainInt8Backend(Backend):
         if fast is not None:
             return fast
         # Every output is a mean, so the zero point comes off the (small) pooled result: one full-size pass fewer
-        # than pooling ``a - zero_point`` (SE blocks, classifier heads; 116 against 440 us at 96x56x56).
+        # than pooling ``a - zero_point`` (SE blocks, classifier heads; docs/backends.md, "Plain int8 ops").
         pooled = _ADAPTIVE_POOLS[a.dim()](a.to(self.elementwise_dtype), output_size).sub_(int(qp.zero_point))
         return requantize(pooled, 1.0, qp, relu=False)
 
