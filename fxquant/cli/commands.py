@@ -1,4 +1,5 @@
-"""``fxquant graph`` / ``inspect`` / ``export`` / ``demo``: look at a run, ship it, or try the bundled example."""
+"""``fxquant graph`` / ``inspect`` / ``export`` / ``demo``: look at a run or an export, ship it, or try the bundled
+example."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from fxquant.artifacts.export import FORMATS as EXPORT_FORMATS
 from fxquant.cli.common import TRUST_SPEC_HELP, add_trust_arguments, emit, load_config, printable, trust_options
 from fxquant.cli.rundir import open_run, rebuild_run
 from fxquant.cli.specs import build_model, parse_example_inputs
@@ -35,14 +37,18 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     _model_source(coverage, "coverage")
     coverage.set_defaults(handler=_coverage)
 
-    inspect = sub.add_parser("inspect", parents=[common], help="what each stage of a run produced, versions, config")
-    inspect.add_argument("run_dir", metavar="RUN_DIR")
+    inspect = sub.add_parser("inspect", parents=[common],
+                             help="what each stage of a run produced, versions, config; or what an export holds")
+    inspect.add_argument("run_dir", metavar="RUN_DIR|EXPORT", help="a run directory, or a file fxquant export wrote")
     inspect.set_defaults(handler=_inspect)
 
-    export = sub.add_parser("export", parents=[common], help="write a converted run as TorchScript (needs only torch)")
+    export = sub.add_parser("export", parents=[common],
+                            help="write a converted run as ONNX (QDQ), a torch.export .pt2 or TorchScript (legacy)")
     export.add_argument("run_dir", metavar="RUN_DIR")
-    export.add_argument("--format", choices=("torchscript",), default="torchscript")
+    export.add_argument("--format", choices=tuple(EXPORT_FORMATS),
+                        help="default: from the output's suffix (.onnx, .pt2, .pt)")
     export.add_argument("-o", "--output", required=True, metavar="FILE")
+    export.add_argument("--overwrite", action="store_true", help="replace FILE (and its manifest) if they exist")
     export.add_argument("--backend", help="export for this backend instead of the one the run was converted for")
     add_trust_arguments(export)
     export.set_defaults(handler=_export)
@@ -125,11 +131,25 @@ def _inspect_text(directory: Path, manifest: Any, files: dict[str, str]) -> str:
     return printable("\n".join(lines))
 
 
+def _inspect_export(path: Path, args: argparse.Namespace) -> int:
+    from fxquant.artifacts.export.sidecar import read_sidecar
+
+    manifest, status = read_sidecar(path)
+    lines = [f"export         {path}", f"file           {manifest.get('file')}  {status}"]
+    lines += [f"{key:<14} {value}" for key, value in manifest.items() if key not in ("file", "format", "sha256")]
+    emit(args, printable("\n".join(lines)), {**manifest, "file_status": status})
+    if not status.startswith("ok"):
+        print(f"fxquant inspect: error: {status.removeprefix('BAD: ')}", file=sys.stderr)
+    return 0 if status.startswith("ok") else 2
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from fxquant.artifacts.manifest import read_manifest, verify_file
     from fxquant.errors import ArtifactError
 
     directory = Path(args.run_dir)
+    if directory.is_file():
+        return _inspect_export(directory, args)
     manifest = read_manifest(directory)
     files: dict[str, str] = {}
     for role in manifest.files:
@@ -146,19 +166,30 @@ def _inspect(args: argparse.Namespace) -> int:
     return 2 if bad else 0
 
 
+_LOAD_WITH = {"onnx": "onnxruntime.InferenceSession", "export": "torch.export.load", "torchscript": "torch.jit.load"}
+
+
 def _export(args: argparse.Namespace) -> int:
     from fxquant.api import convert
-    from fxquant.artifacts.export import export
+    from fxquant.artifacts.export import export, export_format
+    from fxquant.artifacts.export.sidecar import sidecar_path
 
+    output = Path(args.output)
+    chosen = export_format(output, args.format)  # before the run is rebuilt: a bad name costs nothing
+    for target in (output, sidecar_path(output)):
+        if target.exists() and not args.overwrite:
+            raise InputError(f"{target} exists; remove it or pass --overwrite")
     directory, manifest = open_run(args.run_dir, needs="calibrated" if args.backend else "converted")
     if args.backend and args.backend != manifest.backend:
         prepared = rebuild_run(directory, manifest, trust_options(args), stage="calibrated").graph
         quantized = convert(prepared, backend=args.backend)
     else:
         quantized = rebuild_run(directory, manifest, trust_options(args)).model
-    path = export(quantized, args.output, format=args.format)
-    emit(args, f"wrote {path} ({path.stat().st_size / 1024:.1f} KiB); load it with torch.jit.load, no fxquant "
-               "needed", {"output": str(path), "format": args.format, "bytes": path.stat().st_size})
+    path = export(quantized, output, format=chosen, overwrite=args.overwrite)
+    size = path.stat().st_size
+    emit(args, f"wrote {path} ({size / 1024:.1f} KiB, {chosen}) and {sidecar_path(path).name}; load it with "
+               f"{_LOAD_WITH[chosen]}, no fxquant needed",
+         {"output": str(path), "format": chosen, "bytes": size, "manifest": str(sidecar_path(path))})
     return 0
 
 

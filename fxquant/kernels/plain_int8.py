@@ -204,8 +204,10 @@ class PlainInt8Backend(Backend):
         # in place on buffers of a few samples that stay in cache: a model's input is its largest activation, and a
         # fresh float copy of all of it costs page faults and memory traffic (docs/backends.md, "Plain int8 ops").
         # The division reads ``x`` straight into the float buffer.
-        if qp.per_channel or x.dim() < 2 or x.numel() <= _SMALL:
-            q = quantize(x.detach(), qp)  # the plain formula: fewer ops, so faster below a few cache lines' worth
+        if qp.per_channel or x.dim() < 2 or x.numel() <= _SMALL or torch.compiler.is_exporting():
+            # the plain formula: fewer ops, so faster below a few cache lines' worth; and what torch.export records
+            # (the chunks below would fix the batch size)
+            q = quantize(x.detach(), qp)
             return q.contiguous(memory_format=torch.channels_last) if self.channels_last and q.dim() == 4 else q
         x = x.detach()  # rounding has no gradient; ``out=`` ops refuse inputs that require one
         scale = qp.scalar()[0]

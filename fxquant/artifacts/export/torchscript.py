@@ -1,4 +1,7 @@
-"""Export a converted model for deployment where fxquant is not installed: a TorchScript file.
+"""``format="torchscript"`` (legacy): a TorchScript file, for fbgemm, qnnpack and reference models.
+
+TorchScript is deprecated in torch 2.13 (``torch.jit.load`` points to ``torch.export``); the ``"export"`` and
+``"onnx"`` formats replace it and take every backend's model. It stays for deployments that already load it.
 
 fxquant's INT8 modules call their backend through Python objects, so ``torch.jit.script`` cannot compile them; but
 ``torch.jit.trace`` records the tensor operations they run. On fbgemm/qnnpack those are ``torch.ops.quantized``
@@ -14,21 +17,19 @@ import io
 import json
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import fx, nn
 
-from fxquant.errors import ArtifactError, InputError
+from fxquant.errors import ArtifactError
 from fxquant.kernels.base import PackedWeight
-from fxquant.serialization import atomic_write
-from fxquant.state import graph_of, quant_state
+from fxquant.state import QuantState
 
-FORMATS = ("torchscript",)
 EXTRA_FILE = "fxquant.json"  # in the TorchScript archive: {"engine": ...}, read with torch.jit.load(_extra_files=)
 _ATTR = "_fxquant_export_packed"
-_INSTEAD = "convert for 'fbgemm', 'qnnpack' or 'reference' (fxquant convert RUN_DIR --backend fbgemm) and export that"
+_INSTEAD = ("export it as format 'export' (.pt2) or 'onnx', which take every backend, or convert for 'fbgemm', "
+            "'qnnpack' or 'reference' and export that")
 
 
 def _script_objects(value: Any) -> Iterator[torch.ScriptObject]:
@@ -74,28 +75,10 @@ def _trace(model: fx.GraphModule, example_inputs: tuple[Any, ...], backend: str)
     return traced
 
 
-def export(model: nn.Module, path: str | Path, *, format: str = "torchscript",
-           example_inputs: tuple[Any, ...] | None = None) -> Path:
-    """Write the converted ``model`` as a TorchScript file that loads with plain ``torch.jit.load``.
-
-    ``example_inputs`` defaults to random tensors of the shapes given to ``prepare``; the batch dimension stays
-    free. Load it under the engine it was made for (recorded in the file as ``fxquant.json``): torch re-packs the
-    weights at load time with the process's ``torch.backends.quantized.engine``. Example::
-
-        fxquant.export(qmodel, "digits-int8.pt")
-        # elsewhere, with only torch installed:
-        torch.backends.quantized.engine = "fbgemm"
-        torch.jit.load("digits-int8.pt")(images)
-    """
-    if format not in FORMATS:
-        raise InputError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")
-    model = graph_of(model)  # a drop-in model: the GraphModule behind it
-    state = quant_state(model)
-    if state.stage != "converted":
-        raise InputError("export() takes a converted model (fxquant.convert(prepared)), not a prepared one")
-    if example_inputs is None:
-        with torch.random.fork_rng(devices=[]):
-            example_inputs = tuple(spec.make() for spec in state.example_inputs)
+def write_torchscript(model: fx.GraphModule, state: QuantState, example_inputs: tuple[Any, ...]) -> bytes:
+    """The TorchScript bytes of converted ``model``; it loads with plain ``torch.jit.load``, under the engine it
+    was made for (recorded in the file as ``fxquant.json``): torch re-packs the weights at load time with the
+    process's ``torch.backends.quantized.engine``."""
     backends = {state.backend or state.config.backend, *state.layer_backends.values()}
     if "onednn" in backends:  # checked before tracing: the trace would record the output buffers, not the layers
         raise ArtifactError("backend 'onednn' cannot be exported to TorchScript (its layers run oneDNN primitives "
@@ -108,5 +91,4 @@ def export(model: nn.Module, path: str | Path, *, format: str = "torchscript",
         # torch re-packs the weights at load time with the process's quantized engine (x86 by default, which runs
         # some convs on oneDNN and rounds differently): the file says which engine it was made for
         torch.jit.save(traced, buffer, _extra_files={EXTRA_FILE: json.dumps({"engine": backend})})
-    atomic_write(path, buffer.getvalue())
-    return Path(path)
+    return buffer.getvalue()

@@ -1,0 +1,66 @@
+"""``format="onnx"``: a QDQ ONNX model that ONNX Runtime runs on its INT8 kernels.
+
+A copy of the converted model is re-lowered onto :class:`~fxquant.artifacts.export.qdq.QdqBackend` and recorded
+with ``torch.export``; ``torch.onnx.export`` (the dynamo exporter, with onnxscript) translates its aten ops and
+the two QDQ ops, which map one to one onto ONNX's QuantizeLinear and DequantizeLinear (opset 21: per-axis int8
+weights, uint8 activations, int32 biases). Which ops ONNX Runtime then fuses into INT8 kernels is checked by
+``tests/artifacts/test_export_onnx.py`` with ORT's profiler and measured by ``scripts/bench_export.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from typing import Any
+
+import torch
+from torch import fx
+
+from fxquant.artifacts.export.lowered import quiet, relowered_copy, trace
+from fxquant.artifacts.export.qdq import QdqBackend
+from fxquant.errors import ArtifactError
+
+OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis scales and int32 inputs, all in ONNX Runtime >= 1.17
+
+
+def _translations() -> dict[Any, Any]:
+    from onnxscript import opset21 as op
+
+    def quantize_linear(x: Any, scale: Any, zero_point: Any) -> Any:
+        return op.QuantizeLinear(x, scale, zero_point)
+
+    def dequantize_linear(q: Any, scale: Any, zero_point: Any, axis: int) -> Any:
+        return op.DequantizeLinear(q, scale, zero_point, axis=axis)
+
+    ops = torch.ops.fxquant_qdq
+    return {ops.quantize_linear.default: quantize_linear, ops.dequantize_linear.default: dequantize_linear}
+
+
+def _require_packages() -> None:
+    missing = []
+    for package in ("onnx", "onnxscript"):
+        try:
+            __import__(package)
+        except ImportError:
+            missing.append(package)
+    if missing:
+        raise ArtifactError(f"ONNX export needs {' and '.join(missing)}: pip install 'fxquant[onnx]'")
+
+
+def write_onnx(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[bytes, torch.export.ExportedProgram]:
+    """The ONNX bytes of converted ``gm`` and the ExportedProgram they were translated from."""
+    _require_packages()
+    import onnx
+
+    program = trace(relowered_copy(gm, QdqBackend()), example_inputs)
+    try:
+        with quiet(), contextlib.redirect_stdout(io.StringIO()):  # the optimizer prints each initializer it merges
+            onnx_program = torch.onnx.export(program, dynamo=True, opset_version=OPSET, verbose=False,
+                                             custom_translation_table=_translations(), external_data=False)
+    except Exception as exc:
+        reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise ArtifactError(f"ONNX cannot express an op of this model ({reason[:300]})") from None
+    assert onnx_program is not None
+    proto = onnx_program.model_proto
+    onnx.checker.check_model(proto)
+    return proto.SerializeToString(), program
