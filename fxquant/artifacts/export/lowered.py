@@ -8,7 +8,9 @@ runs besides aten ops must be out of the way first:
   user's model keeps its own;
 * fxquant's C loops are off while tracing (they are speed, never semantics: every caller has the torch path);
 * the graph runner (:mod:`fxquant.runtime.runner`) is removed from the copy, leaving each GraphModule's generated
-  code, which ``torch.export`` reads for the argument names.
+  code, which ``torch.export`` reads for the argument names;
+* the copy returns its output's tensors as a flat tuple (a ``ModelOutput``'s fields in order), and a Hugging Face
+  model's copy no KV cache (``use_cache=False``): what loads without transformers.
 
 Batch axes (and the sequence axis of integer token inputs) are exported as ``Dim.AUTO``: free where the model
 allows it, fixed where its code fixes them. An example batch of one is widened to two first, since a size-1
@@ -53,7 +55,31 @@ def relowered_copy(gm: fx.GraphModule, backend: Backend) -> fx.GraphModule:
                 module.relower(backend)
             except ArtifactError as exc:
                 raise ArtifactError(f"layer {name!r} ({type(module).__name__}) cannot be exported: {exc}") from None
+        _no_cache(module)
+    _flat_output(twin)
     return twin.eval()
+
+
+def _no_cache(module: nn.Module) -> None:
+    """A Hugging Face model of the copy returns no KV cache: the export is the whole-sequence forward, and a file
+    loaded without transformers cannot rebuild a ``DynamicCache`` (docs/export.md)."""
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", None):
+        config.use_cache = False
+
+
+def output_tensors(value: Any) -> tuple[torch.Tensor, ...]:
+    """The tensors of a model's output, flattened in order (a ``ModelOutput``'s fields, nested tuples)."""
+    return tuple(leaf for leaf in torch.utils._pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor))
+
+
+def _flat_output(gm: fx.GraphModule) -> None:
+    """Make ``gm`` return :func:`output_tensors` of what it returned: plain tensors load anywhere."""
+    output = next(node for node in gm.graph.nodes if node.op == "output")
+    with gm.graph.inserting_before(output):
+        flat = gm.graph.call_function(output_tensors, (output.args[0],))
+    output.args = (flat,)
+    gm.recompile()
 
 
 def _example_for_export(value: Any) -> Any:

@@ -32,8 +32,14 @@ def _translations() -> dict[Any, Any]:
     def dequantize_linear(q: Any, scale: Any, zero_point: Any, axis: int) -> Any:
         return op.DequantizeLinear(q, scale, zero_point, axis=axis)
 
+    def conv_integer(x: Any, x_zero_point: Any, w: Any, stride: list[int], padding: list[int], dilation: list[int],
+                     groups: int) -> Any:
+        return op.ConvInteger(x, w, x_zero_point, strides=stride, pads=[*padding, *padding], dilations=dilation,
+                              group=groups)
+
     ops = torch.ops.fxquant_qdq
-    return {ops.quantize_linear.default: quantize_linear, ops.dequantize_linear.default: dequantize_linear}
+    return {ops.quantize_linear.default: quantize_linear, ops.dequantize_linear.default: dequantize_linear,
+            ops.conv_integer.default: conv_integer}
 
 
 def _require_packages() -> None:
@@ -47,6 +53,17 @@ def _require_packages() -> None:
         raise ArtifactError(f"ONNX export needs {' and '.join(missing)}: pip install 'fxquant[onnx]'")
 
 
+def _root_cause(exc: BaseException) -> str:
+    """The innermost error's first line, and the model source line it came from (torch.onnx wraps the error that
+    names the op in two layers of generic ones)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    where = [line for line in lines if line.startswith("File ")]
+    first = lines[0] if lines else type(exc).__name__
+    return f"{type(exc).__name__}: {first[:200]}" + (f" ({where[-1][:200]})" if where else "")
+
+
 def write_onnx(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[bytes, torch.export.ExportedProgram]:
     """The ONNX bytes of converted ``gm`` and the ExportedProgram they were translated from."""
     _require_packages()
@@ -58,8 +75,8 @@ def write_onnx(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[byt
             onnx_program = torch.onnx.export(program, dynamo=True, opset_version=OPSET, verbose=False,
                                              custom_translation_table=_translations(), external_data=False)
     except Exception as exc:
-        reason = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise ArtifactError(f"ONNX cannot express an op of this model ({reason[:300]})") from None
+        raise ArtifactError(f"torch.onnx cannot express this model: {_root_cause(exc)}; the .pt2 format "
+                            "(format='export') takes it") from None
     assert onnx_program is not None
     proto = onnx_program.model_proto
     onnx.checker.check_model(proto)

@@ -73,6 +73,24 @@ def _(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, axis: int)
     return torch.empty_like(q, dtype=torch.float32)
 
 
+@torch.library.custom_op(f"{NAMESPACE}::conv_integer", mutates_args=())
+def conv_integer(x: torch.Tensor, x_zero_point: torch.Tensor, w: torch.Tensor, stride: list[int], padding: list[int],
+                 dilation: list[int], groups: int) -> torch.Tensor:
+    """ONNX ConvInteger: the exact int32 accumulator of ``(x - x_zero_point)`` and int8 ``w`` (float64 on the
+    integers, exact as in the reference backend)."""
+    centered = x.to(torch.float64) - x_zero_point.to(torch.float64)
+    out = _CONVS[w.dim() - 2](centered, w.to(torch.float64), None, stride, padding, dilation, groups)
+    return out.to(torch.int32)
+
+
+@conv_integer.register_fake
+def _(x: torch.Tensor, x_zero_point: torch.Tensor, w: torch.Tensor, stride: list[int], padding: list[int],
+      dilation: list[int], groups: int) -> torch.Tensor:
+    real = _CONVS[w.dim() - 2](torch.empty_like(x, dtype=torch.float32), torch.empty_like(w, dtype=torch.float32),
+                               None, stride, padding, dilation, groups)
+    return torch.empty_like(real, dtype=torch.int32)
+
+
 @dataclass(frozen=True)
 class QdqWeight:
     """A layer's int8 weight with its DequantizeLinear constants and the int32 bias (or None)."""
@@ -176,6 +194,22 @@ class QdqBackend(Backend):
                                spec.stride, spec.padding, spec.dilation, spec.groups)
         return self._requantize(out, out_qp, relu=relu)
 
+    def conv_to_float(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
+                      relu: bool) -> torch.Tensor:
+        """Unrounded, like the reference backend: ConvInteger's int32 accumulator plus the int32 bias, times
+        ``s_x * s_w`` (ORT has no QDQ convolution with a float output; ConvInteger is its INT8 kernel)."""
+        w: QdqWeight = packed.payload
+        assert w.spec is not None, "conv_to_float() got weights packed by prepack_linear()"
+        spec = w.spec
+        _, zero_point = _constants(in_qp)
+        acc = conv_integer(a.contiguous(), zero_point, w.weight, list(spec.stride), list(spec.padding),
+                           list(spec.dilation), spec.groups)
+        channels = (-1, *([1] * spec.dim))
+        if w.bias is not None:
+            acc = acc + w.bias.reshape(channels)
+        out = acc.to(torch.float32) * w.bias_scale.reshape(channels)
+        return torch.relu(out) if relu else out
+
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
                                spec: ConvSpec) -> PackedWeight:
         return PackedWeight(self.name, (weight, w_qp, bias, spec))  # the int32 bias needs the input's scale: later
@@ -209,11 +243,12 @@ class QdqBackend(Backend):
     def cat(self, values: list[torch.Tensor], qps: list[QParams], qout: QParams, dim: int) -> torch.Tensor:
         return self.quantize(torch.cat([self.dequantize(v, qp) for v, qp in zip(values, qps, strict=True)], dim), qout)
 
+    # Reinterpreting bytes (``view(dtype)``) has no ONNX op: skipped where the dtype is already the one wanted.
     def from_bytes(self, stored: torch.Tensor, qp: QParams) -> torch.Tensor:
-        return stored.view(qp.dtype)
+        return stored if stored.dtype == qp.dtype else stored.view(qp.dtype)
 
     def to_bytes(self, a: torch.Tensor) -> torch.Tensor:
-        return a.view(torch.uint8)
+        return a if a.dtype == torch.uint8 else a.view(torch.uint8)
 
     def lookup(self, a: torch.Tensor, table: torch.Tensor, qout: QParams) -> torch.Tensor:
-        return table[a.view(torch.uint8).long()].view(qout.dtype)  # ONNX Gather on the 256 bytes: exact
+        return self.from_bytes(table[self.to_bytes(a).long()], qout)  # ONNX Gather on the 256 bytes: exact

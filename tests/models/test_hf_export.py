@@ -1,0 +1,97 @@
+"""The real-models zoo exported: every architecture's ``.pt2`` is the reference backend bit for bit, and every
+architecture ONNX can express runs in ONNX Runtime on its INT8 kernels, as close to the reference as fxquant's own
+oneDNN backend is. A few architectures run in the default suite; the rest are marked slow."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import fxquant
+from fxquant.errors import ArtifactError
+from fxquant.nn.quantized import _QuantizedWeighted
+
+pytest.importorskip("transformers", reason="the optional 'transformers' extra is not installed")
+pytest.importorskip("onnxruntime", reason="the optional 'onnx' extra is not installed")
+pytest.importorskip("onnxscript", reason="the optional 'onnx' extra is not installed")
+
+import hf_zoo  # after importorskip: it imports transformers
+import onnxruntime as ort
+
+DEFAULT = {"bert", "llama", "vit", "whisper_encoder", "gpt2"}
+# torch.onnx 2.13 cannot export these float models either ("Cannot view a tensor ... as", a view after a transpose)
+ONNX_CANNOT = {"t5_encoder", "swin"}
+INT8_KERNELS = {"QLinearConv", "QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "MatMulInteger", "ConvInteger",
+                "QLinearConvTranspose", "DynamicQuantizeMatMul"}
+# Every INT8 Linear is a Gemm and every INT8 conv a Conv in the file: one of these running in float is a fallback
+# (attention's activation-by-activation products are float MatMuls in the model itself)
+FLOAT_KERNELS = {"Conv", "Gemm", "FusedConv", "FusedGemm", "ConvTranspose"}
+
+
+def _params() -> list[Any]:
+    return [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow) for name in hf_zoo.ARCHS]
+
+
+@functools.cache
+def _converted(name: str) -> tuple[Any, Any, tuple[Any, ...], tuple[Any, ...]]:
+    model = hf_zoo.build(name)
+    data = hf_zoo.batches(name, 4)
+    example = hf_zoo.positional(model, data[0])
+    prepared = fxquant.prepare(model, example)
+    fxquant.calibrate(prepared, data, progress=False)
+    fresh = hf_zoo.positional(model, hf_zoo.batches(name, 1, seed=100)[0])
+    return fxquant.convert(prepared), fxquant.convert(prepared, backend="reference"), example, fresh
+
+
+def _first(output: Any) -> torch.Tensor:
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def _sqnr(reference: torch.Tensor, actual: torch.Tensor) -> float:
+    noise = (reference.double() - actual.double()).pow(2).sum()
+    return float(10 * torch.log10(reference.double().pow(2).sum() / noise.clamp(min=1e-30)))
+
+
+@pytest.mark.parametrize("name", _params())
+def test_pt2_is_the_reference_backend_bit_for_bit(name: str, tmp_path: Path) -> None:
+    qmodel, reference, example, fresh = _converted(name)
+    path = fxquant.export(qmodel, tmp_path / "model.pt2", example_inputs=example)
+    program = torch.export.load(str(path)).module()
+    with torch.inference_mode():
+        expected = hf_zoo.main_output(name, reference(*fresh))
+    got = _first(program(*fresh))
+    assert torch.equal(got, expected), f"{name}: max |diff| {(got - expected).abs().max():.3g}"
+
+
+@pytest.mark.parametrize("name", _params())
+def test_onnx_runs_on_ort_int8_kernels_as_close_as_onednn(name: str, tmp_path: Path) -> None:
+    qmodel, reference, example, fresh = _converted(name)
+    if name in ONNX_CANNOT:
+        with pytest.raises(ArtifactError, match=r"torch.onnx cannot express this model: .*modeling_"):
+            fxquant.export(qmodel, tmp_path / "model.onnx", example_inputs=example)
+        assert not (tmp_path / "model.onnx").exists()
+        return
+    path = fxquant.export(qmodel, tmp_path / "model.onnx", example_inputs=example)
+    options = ort.SessionOptions()
+    options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feeds = [value for value in fresh if value is not None]
+    got = torch.from_numpy(session.run(None, {i.name: v.numpy() for i, v in zip(session.get_inputs(), feeds,
+                                                                                   strict=True)})[0])
+    ran = [event["args"]["op_name"] for event in json.loads(Path(session.end_profiling()).read_text())
+           if event.get("cat") == "Node" and event["name"].endswith("_kernel_time")]
+    with torch.inference_mode():
+        expected = hf_zoo.main_output(name, reference(*fresh))
+        onednn = hf_zoo.main_output(name, qmodel(*fresh))
+    layers = sum(isinstance(m, _QuantizedWeighted) for m in fxquant.state.graph_of(qmodel).modules())
+    assert sum(op in INT8_KERNELS for op in ran) >= layers, f"{name}: {sorted(set(ran))}"
+    assert not FLOAT_KERNELS & set(ran), f"{name}: float kernels ran: {sorted(FLOAT_KERNELS & set(ran))}"
+    ort_db, onednn_db = _sqnr(expected, got), _sqnr(expected, onednn)
+    assert ort_db >= min(onednn_db, 60.0) - 3.0, f"{name}: ORT {ort_db:.1f} dB from the reference, onednn " \
+                                                 f"{onednn_db:.1f}"
