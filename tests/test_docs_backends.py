@@ -1,5 +1,5 @@
-"""docs/backends.md, docs/amx.md, docs/quantization.md and docs/models.md run as written: their Python blocks
-execute in order."""
+"""docs/backends.md, docs/amx.md, docs/quantization.md, docs/models.md and docs/export.md run as written: their
+Python blocks execute in order."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
-PAGES = [("backends.md", 2), ("amx.md", 1), ("quantization.md", 1), ("models.md", 1)]
+PAGES = [("backends.md", 2), ("amx.md", 1), ("quantization.md", 1), ("models.md", 1), ("export.md", 1)]
 
 
 @pytest.mark.parametrize(("name", "least"), PAGES)

@@ -30,7 +30,7 @@ from torch import fx, nn
 from fxquant import native
 from fxquant.errors import ArtifactError
 from fxquant.kernels.base import Backend
-from fxquant.nn.quantized import _BackendModule
+from fxquant.nn.quantized import _BackendModule, _QuantizedWeighted
 from fxquant.runtime.runner import GraphRunner
 
 
@@ -55,9 +55,20 @@ def relowered_copy(gm: fx.GraphModule, backend: Backend) -> fx.GraphModule:
                 module.relower(backend)
             except ArtifactError as exc:
                 raise ArtifactError(f"layer {name!r} ({type(module).__name__}) cannot be exported: {exc}") from None
+        if isinstance(module, _QuantizedWeighted):
+            _unregister_buffers(module)
         _no_cache(module)
     _flat_output(twin)
     return twin.eval()
+
+
+def _unregister_buffers(module: _QuantizedWeighted) -> None:
+    """Keep a layer's int8 weight, scales and bias as plain attributes, not buffers: its forward reads the packed
+    copy the backend made (the same tensors where no conversion was needed), and an export saves every buffer,
+    used or not, apart from the constants the forward reads: each weight would be stored twice."""
+    for name in list(module._buffers):
+        value = module._buffers.pop(name)
+        object.__setattr__(module, name, value)
 
 
 def _no_cache(module: nn.Module) -> None:
