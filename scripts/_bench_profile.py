@@ -2,17 +2,22 @@
 
 fxquant's oneDNN primitives and C loops are called from its own extension, not as torch ops, so the profiler sees
 an fxquant model as one long gap between ops. Its layers are timed node by node instead, in an ``fx.Interpreter``
-walk (which skips the graph runner's fused steps, so the walk's total is a little above a real call's).
+walk (which skips the graph runner's fused steps, so the walk's total is a little above a real call's). ONNX
+Runtime's kernels are invisible to torch.profiler too: :func:`ort_ops` reads ORT's own profile, op type by op type.
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import torch
 from _bench_common import Candidate
+from _peers_ort import OrtSessions, session_options
 from torch import fx
 
 from fxquant.report.latency import num_threads
@@ -77,3 +82,24 @@ def node_times(gm: fx.GraphModule, inputs: tuple[torch.Tensor, ...], *, runs: in
     layers = sorted(((k, sum(v) / runs, 1) for k, v in times.items() if k.startswith("Quantized")),
                     key=lambda r: -r[1])
     return classes[: rows // 2] + layers[: rows - min(len(classes), rows // 2)]
+
+
+def ort_ops(sessions: OrtSessions, inputs: tuple[torch.Tensor, ...], *, threads: int, runs: int = 5) -> list[Row]:
+    """Every op type ONNX Runtime ran after its graph optimisations (``QLinearConv``, ``QGemm``, a float
+    ``Conv`` that no fusion took, ...): kernel ms per call and nodes per call, slowest first. The first call
+    (allocations) is left out."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = session_options(threads, profile_prefix=str(Path(tmp, "ort")))
+        session = ort.InferenceSession(sessions.model_bytes, options, providers=["CPUExecutionProvider"])
+        for _ in range(runs + 1):
+            session.run(None, sessions.feed(inputs))
+        events = json.loads(Path(session.end_profiling()).read_text())
+    first = min((e for e in events if e["name"] == "model_run"), key=lambda e: e["ts"])
+    times: dict[str, list[float]] = defaultdict(list)
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") \
+                and event["ts"] >= first["ts"] + first["dur"]:
+            times[event["args"]["op_name"]].append(event["dur"] / 1e3)
+    return sorted(((op, sum(v) / runs, len(v) // runs) for op, v in times.items()), key=lambda r: -r[1])

@@ -15,6 +15,7 @@ import importlib.util
 import tempfile
 import traceback
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +76,24 @@ def _where(exc: Exception) -> str:
             f"({frame.name}): {frame.line}")
 
 
-class _Sessions:
-    """One InferenceSession per intra-op thread count, created on first use."""
+def session_options(threads: int, *, profile_prefix: str | None = None) -> Any:
+    """``threads`` intra-op threads, one inter-op, sequential, every graph optimisation (ORT's fusions into QLinear*
+    kernels run at ``ORT_ENABLE_ALL``); ``profile_prefix``: write ORT's profile (a JSON trace) under that prefix."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if profile_prefix is not None:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
+    return options
+
+
+class OrtSessions:
+    """A model's InferenceSession per intra-op thread count (:func:`session_options`), created on first use."""
 
     def __init__(self, model_bytes: bytes, names: list[str]) -> None:
         self.model_bytes = model_bytes
@@ -88,13 +105,39 @@ class _Sessions:
         if threads not in self.sessions:
             import onnxruntime as ort
 
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = threads
-            options.inter_op_num_threads = 1
-            self.sessions[threads] = ort.InferenceSession(self.model_bytes, options,
+            self.sessions[threads] = ort.InferenceSession(self.model_bytes, session_options(threads),
                                                           providers=["CPUExecutionProvider"])
-        feed = {name: x.numpy() for name, x in zip(self.names, inputs, strict=True)}
-        return torch.from_numpy(self.sessions[threads].run(None, feed)[0])
+        return torch.from_numpy(self.sessions[threads].run(None, self.feed(inputs))[0])
+
+    def feed(self, inputs: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+        return {name: x.numpy() for name, x in zip(self.names, inputs, strict=True)}
+
+
+@dataclass(frozen=True)
+class StaticOnnx:
+    """The float ONNX export and its ``quantize_static`` model, with the input names and a note on pre-processing."""
+
+    names: list[str]
+    float_model: bytes
+    int8_model: bytes
+    note: str
+
+
+def quantize_static_onnx(workload: Workload) -> StaticOnnx:
+    """The float model exported to ONNX, pre-processed, and ``quantize_static``-ed on the workload's batches."""
+    with tempfile.TemporaryDirectory() as tmp:
+        float_path, int8_path = Path(tmp, "float.onnx"), Path(tmp, "int8.onnx")
+        names = _export_onnx(workload, float_path)
+        source, note = _pre_process(float_path, Path(tmp, "float_pre.onnx"))
+        _quantize(workload, names, source, int8_path)
+        return StaticOnnx(names, _inline_bytes(float_path), int8_path.read_bytes(), note)
+
+
+def _inline_bytes(path: Path) -> bytes:
+    """The model with its weights inside: the dynamo exporter keeps them in a ``.data`` file next to it."""
+    import onnx
+
+    return onnx.load(str(path)).SerializeToString()
 
 
 @register_peer
@@ -106,9 +149,5 @@ class OnnxRuntimeStatic(Peer):
     requires = ("onnxruntime", "onnx")
 
     def build(self, workload: Workload) -> Candidate:
-        with tempfile.TemporaryDirectory() as tmp:
-            float_path, int8_path = Path(tmp, "float.onnx"), Path(tmp, "int8.onnx")
-            names = _export_onnx(workload, float_path)
-            source, note = _pre_process(float_path, Path(tmp, "float_pre.onnx"))
-            _quantize(workload, names, source, int8_path)
-            return Candidate(self.label, _Sessions(int8_path.read_bytes(), names), lazy=True, note=note)
+        static = quantize_static_onnx(workload)
+        return Candidate(self.label, OrtSessions(static.int8_model, static.names), lazy=True, note=static.note)

@@ -75,7 +75,7 @@ def _no_cache(module: nn.Module) -> None:
     """A Hugging Face model of the copy returns no KV cache: the export is the whole-sequence forward, and a file
     loaded without transformers cannot rebuild a ``DynamicCache`` (docs/export.md)."""
     config = getattr(module, "config", None)
-    if getattr(config, "use_cache", None):
+    if config is not None and getattr(config, "use_cache", None):
         config.use_cache = False
 
 

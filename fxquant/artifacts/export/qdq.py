@@ -18,8 +18,9 @@ What each INT8 layer becomes, and why:
 * a Linear runs as Gemm on a 2-d view of its input (reshaped while still uint8, so the DequantizeLinear feeds the
   Gemm directly, which ORT's fusion needs); a fused ReLU is a Relu before the output QuantizeLinear, which ORT folds
   into the kernel when the output zero point is the range's minimum, as calibration makes it;
-* element-wise ops (add, mul, pools, ReLU, sigmoid, concatenation) are the float op between DequantizeLinear and
-  QuantizeLinear (QLinearAdd, QLinearMul, QLinearSigmoid, ... in ORT); a table lookup is a Gather on its 256 bytes.
+* element-wise ops (add, mul, pools, ReLU, concatenation) are the float op between DequantizeLinear and
+  QuantizeLinear (QLinearAdd, QLinearMul, ... in ORT); a table lookup (SiLU, GELU, ... between INT8 layers; the
+  INT8 sigmoid, hardsigmoid and tanh) is a Gather on its 256 entries, exact.
 
 A Linear whose float result feeds float code is a Gemm with no QuantizeLinear after it (ORT runs QGemm with a float
 output), unrounded like the reference backend's. A Conv's is rounded to its output qparams first (DequantizeLinear
@@ -38,6 +39,7 @@ import torch.nn.functional as F
 from fxquant.errors import ArtifactError
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
 from fxquant.kernels.plain_int8 import weight_scale
+from fxquant.kernels.reference import fixed_range_table
 from fxquant.qparams import QParams
 
 NAMESPACE = "fxquant_qdq"
@@ -252,3 +254,7 @@ class QdqBackend(Backend):
 
     def lookup(self, a: torch.Tensor, table: torch.Tensor, qout: QParams) -> torch.Tensor:
         return self.from_bytes(table[self.to_bytes(a).long()], qout)  # ONNX Gather on the 256 bytes: exact
+
+    def fixed_range(self, a: torch.Tensor, function: str, qa: QParams, qout: QParams) -> torch.Tensor:
+        """The reference backend's table (the function in float64, rounded once), gathered: exact."""
+        return fixed_range_table(function, qa, qout)[a.long()]
