@@ -235,8 +235,9 @@ class Backend(ABC):
         return self.quantize(torch.cat([self.dequantize(v, qp) for v, qp in zip(values, qps, strict=True)], dim), qout)
 
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
-                               spec: ConvSpec) -> PackedWeight:
-        """Transposed convolutions; this default keeps the dequantized weight for a float computation."""
+                               spec: ConvSpec, *, in_qp: QParams | None = None) -> PackedWeight:
+        """Transposed convolutions; this default keeps the dequantized weight for a float computation. ``in_qp``:
+        as for ``prepack_linear``."""
         return PackedWeight(self.name, (spec, dequantize_weight(weight, w_qp), bias))
 
     def conv_transpose(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams) -> torch.Tensor:

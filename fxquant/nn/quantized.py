@@ -144,7 +144,7 @@ class QuantizedConvTransposeNd(_QuantizedConvBase):
 
     def relower(self, backend: Backend) -> None:
         super().relower(backend)
-        self._packed = backend.prepack_conv_transpose(self.weight, self.w_qp, self.bias, self.spec)
+        self._packed = backend.prepack_conv_transpose(self.weight, self.w_qp, self.bias, self.spec, in_qp=self.in_qp)
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         out = self.backend.conv_transpose(a, self._packed, self.in_qp, self.out_qp)

@@ -6,8 +6,10 @@ layers kept float: every observer statistic stays valid, only the lowering chang
 
 * reads the float value behind its input observer (no quantize-dequantize round trip), or, when its input is an
   int8 value of an upstream layer, goes through :func:`float_barrier`, a float op where lowering dequantizes;
-* keeps its output observer for readers that stay int8 (where a ``Quantize`` is needed anyway) and lets float readers
-  (the model output, float ops) read the float value directly;
+* keeps its output observer for readers that stay int8 for an int8 layer (where a ``Quantize`` is needed anyway)
+  and lets every other reader read the float value directly; so do the observers around it, of the ops between it
+  and the next int8 layer (residual adds, SwiGLU's ``act(gate) * up``, lookups): an op that was int8 only because
+  its neighbours were goes float with them, and ``keep_float=["*"]`` is the prepared model's float computation;
 * marks the node's :class:`~fxquant.config.LayerSettings` ``quantize=False`` so later passes (bias correction) skip it.
 
 Layers the config already excludes may be named too: lowering quantizes an excluded layer anyway when its input is
@@ -58,29 +60,52 @@ def _read_float_input(gm: fx.GraphModule, node: fx.Node) -> None:
     node.replace_input_with(value, barrier)
 
 
-def _stays_int8(gm: fx.GraphModule, user: fx.Node) -> bool:
-    """Whether lowering will read ``user``'s input as int8: it is, or leads through int8-preserving ops to, an
-    int8 layer / add / cat."""
-    if is_statistics(gm, user):
-        return any(_stays_int8(gm, u) for u in user.users)
-    kind = kind_of(gm, user)
-    if kind is OpKind.COMPUTE:
-        return is_quantized_layer(user)
-    if kind in (OpKind.BINARY, OpKind.JOIN):
-        return is_activation_observer(gm, only_user(user))
-    if kind in (OpKind.VALUE, OpKind.STRUCTURAL):
-        return any(_stays_int8(gm, u) for u in user.users)
-    return False
+def _stays_int8(gm: fx.GraphModule, user: fx.Node, memo: dict[fx.Node, bool] | None = None) -> bool:
+    """Whether lowering will read ``user``'s input as int8 *for an int8 layer*: it is one, or leads through
+    int8-preserving ops (an add, mul or cat whose result is observed, values, structure) to one. An add whose
+    result reaches only float layers is no reason to stay int8: it goes float with them."""
+    memo = {} if memo is None else memo
+    if user not in memo:
+        memo[user] = False  # graphs have no cycles; this only stops re-walking shared paths
+        kind = kind_of(gm, user)
+        if is_statistics(gm, user) or is_activation_observer(gm, user) or kind in (OpKind.VALUE, OpKind.STRUCTURAL):
+            memo[user] = any(_stays_int8(gm, u, memo) for u in user.users)
+        elif kind is OpKind.COMPUTE:
+            memo[user] = is_quantized_layer(user)
+        elif kind in (OpKind.BINARY, OpKind.JOIN):
+            observer = only_user(user)
+            memo[user] = observer is not None and is_activation_observer(gm, observer) and any(
+                _stays_int8(gm, u, memo) for u in observer.users)
+    return memo[user]
 
 
-def _release_output(gm: fx.GraphModule, node: fx.Node) -> None:
-    observer = only_user(node)
-    if not is_activation_observer(gm, observer):
+def _release(gm: fx.GraphModule, observer: fx.Node, memo: dict[fx.Node, bool]) -> None:
+    """Readers of ``observer`` that do not stay int8 read the float value behind it, unless it is the output of an
+    op that stays int8 (an int8 layer's, or an add's that another reader needs as int8): lowering dequantizes it
+    for them, as before."""
+    readers = [user for user in observer.users if not _stays_int8(gm, user, memo)]
+    producer = observer.args[0]
+    if absorbed_by_producer(gm, observer) and (
+            is_quantized_layer(producer) or len(readers) < len(observer.users)):  # type: ignore[arg-type]
         return
-    assert observer is not None
-    for user in list(observer.users):
-        if not _stays_int8(gm, user):
-            user.replace_input_with(observer, node)
+    for user in readers:
+        user.replace_input_with(observer, producer)  # type: ignore[arg-type]
+
+
+def _connected_observers(gm: fx.GraphModule, chosen: list[fx.Node]) -> list[fx.Node]:
+    """The activation observers reachable from the chosen layers without passing through another layer: those of
+    the int8 ops around them (residual adds, SwiGLU's product, lookups, the quantizes feeding them) and of the
+    float code between, in graph order."""
+    seen, queue = set(chosen), list(chosen)
+    while queue:
+        node = queue.pop()
+        for other in (*node.all_input_nodes, *node.users):
+            if other in seen or other.op in ("placeholder", "output", "get_attr"):
+                continue
+            seen.add(other)
+            if kind_of(gm, other) is not OpKind.COMPUTE:
+                queue.append(other)
+    return [node for node in nodes_of(gm) if node in seen and is_activation_observer(gm, node)]
 
 
 def keep_layers_float(gm: fx.GraphModule, patterns: Collection[str], prefix: str = "") -> fx.GraphModule:
@@ -98,5 +123,7 @@ def keep_layers_float(gm: fx.GraphModule, patterns: Collection[str], prefix: str
             node.meta[LAYER_SETTINGS] = replace(node.meta[LAYER_SETTINGS], quantize=False, reason=REASON)
     for node in chosen:
         _read_float_input(gm, node)
-        _release_output(gm, node)
+    memo: dict[fx.Node, bool] = {}
+    for observer in _connected_observers(gm, chosen):
+        _release(gm, observer, memo)
     return finish(gm)

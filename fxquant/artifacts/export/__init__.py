@@ -37,7 +37,7 @@ def export_format(path: Path, format: str | None) -> str:
         by_suffix = {suffix: name for name, suffix in FORMATS.items()}
         if path.suffix not in by_suffix:
             raise InputError(f"cannot tell the export format from {path.name!r}; name the file .onnx, .pt2 or .pt, "
-                             f"or give format= one of {', '.join(FORMATS)}")
+                             f"or name the format ({', '.join(FORMATS)}: --format on the command line)")
         return by_suffix[path.suffix]
     if format not in FORMATS:
         raise InputError(f"unknown export format {format!r}; choose one of {', '.join(FORMATS)}")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 from collections.abc import Iterator
 from typing import Any
 
@@ -146,8 +147,8 @@ def quiet() -> Iterator[None]:
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
-    try:
-        with warnings.catch_warnings():
+    try:  # a failed guard also prints the traced graph to stderr
+        with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             yield
     finally:

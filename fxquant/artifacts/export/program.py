@@ -7,7 +7,7 @@ model was converted for: oneDNN's kernels agree with it within one output step (
 TorchScript-free deployment gets the semantics fxquant defines, not one engine's. Load it with::
 
     program = torch.export.load("model.pt2")
-    logits = program.module()(images)
+    (logits,) = program.module()(images)  # the outputs' tensors, as a tuple
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ class QdqWeight:
     def float_bias(self) -> torch.Tensor | None:
         if self.bias is None:
             return None
-        return dequantize_linear(self.bias, self.bias_scale, torch.zeros_like(self.bias), 0)
+        return dequantize_linear(self.bias, self.bias_scale, torch.zeros(self.bias_scale.shape, dtype=torch.int32), 0)
 
 
 def _constants(qp: QParams) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,12 +213,13 @@ class QdqBackend(Backend):
         return torch.relu(out) if relu else out
 
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
-                               spec: ConvSpec) -> PackedWeight:
-        return PackedWeight(self.name, (weight, w_qp, bias, spec))  # the int32 bias needs the input's scale: later
+                               spec: ConvSpec, *, in_qp: QParams | None = None) -> PackedWeight:
+        return _pack(self, weight, w_qp, bias, in_qp, spec)  # per tensor (no kernel takes per-channel here)
 
     def conv_transpose(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams) -> torch.Tensor:
-        weight, w_qp, bias, spec = packed.payload
-        w: QdqWeight = _pack(self, weight, w_qp, bias, in_qp, spec).payload
+        w: QdqWeight = packed.payload
+        assert w.spec is not None, "conv_transpose() got weights packed by prepack_linear()"
+        spec = w.spec
         out = _CONVS_TRANSPOSED[spec.dim](self.dequantize(a, in_qp), w.float_weight(), w.float_bias(), spec.stride,
                                           spec.padding, spec.output_padding, spec.groups, spec.dilation)
         return self.quantize(out, out_qp)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fxquant.errors import ArtifactError
+from fxquant.nn.quantized import _QuantizedWeighted
 from fxquant.qparams import QParams
 from fxquant.serialization import sha256_bytes, sha256_file
 
@@ -44,9 +45,12 @@ def _qparams_in(value: Any) -> list[QParams]:
 
 
 def qparams_digest(model: nn.Module) -> str:
-    """SHA-256 over every module's qparams (name, attribute, scale and zero-point bytes, range, axis), in order."""
+    """SHA-256 over every INT8 layer's qparams (path, attribute, scale and zero-point bytes, range, axis), in order:
+    the layers, not the modules between them, which differ from backend to backend (fbgemm's extra dequantizes)."""
     digest = hashlib.sha256()
     for name, module in model.named_modules():
+        if not isinstance(module, _QuantizedWeighted):
+            continue
         for attribute, value in vars(module).items():
             for qp in _qparams_in(value):
                 digest.update(f"{name}.{attribute}:{qp.qmin}:{qp.qmax}:{qp.axis}:".encode())

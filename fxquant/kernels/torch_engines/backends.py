@@ -184,7 +184,7 @@ class _QuantizedDtypeBackend(Backend):
         return _within(_q.cat(values, dim, scale, zp), qout)
 
     def prepack_conv_transpose(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
-                               spec: ConvSpec) -> PackedWeight:
+                               spec: ConvSpec, *, in_qp: QParams | None = None) -> PackedWeight:
         if as_patches(weight, spec) and w_qp.axis is None:
             rows, tiled = patch_linear(weight, bias, spec)
             packed = prepack_weight(self.engine, _q.linear_prepack, rows, w_qp, tiled)
