@@ -178,3 +178,16 @@ def quantized_dtype_backends() -> list[str]:
     from fxquant.kernels.registry import available_backends
 
     return [b for b in ("fbgemm", "qnnpack") if b in available_backends()]
+
+
+def relowered(qmodel: nn.Module, backend: str) -> nn.Module:
+    """A copy of converted ``qmodel`` with every INT8 module on ``backend``: the same qparams, another backend's
+    arithmetic (what an export computes: the ``.pt2`` runs the reference backend on the model's own qparams)."""
+    from fxquant.nn.quantized import _BackendModule
+    from fxquant.state import drop_in, graph_of
+
+    twin = copy.deepcopy(graph_of(qmodel))  # a drop-in model: the GraphModule behind it, then its drop-in again
+    for module in twin.modules():
+        if isinstance(module, _BackendModule):
+            module.relower(get_backend(backend))
+    return drop_in(twin)

@@ -1,7 +1,8 @@
-"""``fxquant.export(qmodel, "x.pt2")``: a ``torch.export`` program of the reference backend's arithmetic, so whatever
-backend the model was converted for, ``torch.export.load(path).module()(x)`` is ``fxquant.convert(prepared,
-backend="reference")(x)`` bit for bit, at batch sizes other than the exported one, and in a process where fxquant
-cannot even be imported."""
+"""``fxquant.export(qmodel, "x.pt2")``: a ``torch.export`` program of the reference backend's arithmetic on the
+model's own qparams, so ``torch.export.load(path).module()(x)`` is, bit for bit, ``fxquant.convert(prepared,
+backend="reference")(x)`` for a reference model, and the eager model re-lowered onto the reference backend for a
+onednn one (the same qparams where the CPU has VNNI; 7-bit activations without it), at batch sizes other than the
+exported one, and in a process where fxquant cannot even be imported."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from torch import fx, nn
 import fxquant
 from fxquant.kernels.registry import available_backends
 from fxquant.models import create_model
+from fxquant.testing import relowered
 
 EXPORT_BATCH = 2
 # Small zoo variants (tests/test_zoo_quantization.py's): the property is exactness, which size does not change
@@ -74,8 +76,10 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], t
     @functools.cache
     def build(name: str, backend: str) -> tuple[Path, nn.Module, nn.Module]:
         prepared, reference = calibrated(name)
-        path = fxquant.export(fxquant.convert(prepared, backend=backend), root / f"{name}-{backend}.pt2")
-        return path, torch.export.load(str(path)).module(), reference
+        qmodel = fxquant.convert(prepared, backend=backend)
+        path = fxquant.export(qmodel, root / f"{name}-{backend}.pt2")
+        return path, torch.export.load(str(path)).module(), reference if backend == "reference" else \
+            relowered(qmodel, "reference")
 
     return build
 

@@ -2,9 +2,10 @@
 
 The program records the reference backend's arithmetic (:mod:`fxquant.kernels.reference`): uint8 activations, the
 exact integer accumulator (``torch._int_mm``, float64 convolutions on the integers), the int32-rounded bias and one
-requantization per layer, all aten ops. It is the reference backend's output bit for bit, whichever backend the
-model was converted for: oneDNN's kernels agree with it within one output step (docs/backends.md), and a
-TorchScript-free deployment gets the semantics fxquant defines, not one engine's. Load it with::
+requantization per layer, all aten ops, on the model's own qparams. It is the reference backend's output bit for bit
+on those qparams, whichever backend the model was converted for: oneDNN's kernels agree with it within one output
+step (docs/backends.md), and a TorchScript-free deployment gets the semantics fxquant defines, not one engine's.
+Load it with::
 
     program = torch.export.load("model.pt2")
     (logits,) = program.module()(images)  # the outputs' tensors, as a tuple
