@@ -62,13 +62,15 @@ def _read_float_input(gm: fx.GraphModule, node: fx.Node) -> None:
 
 def _stays_int8(gm: fx.GraphModule, user: fx.Node, memo: dict[fx.Node, bool] | None = None) -> bool:
     """Whether lowering will read ``user``'s input as int8 *for an int8 layer*: it is one, or leads through
-    int8-preserving ops (an add, mul or cat whose result is observed, values, structure) to one. An add whose
+    int8-preserving ops (an add, mul or cat whose result is observed, values, sigmoid-like fixed-range ops,
+    structure) to one. An add whose
     result reaches only float layers is no reason to stay int8: it goes float with them."""
     memo = {} if memo is None else memo
     if user not in memo:
         memo[user] = False  # graphs have no cycles; this only stops re-walking shared paths
         kind = kind_of(gm, user)
-        if is_statistics(gm, user) or is_activation_observer(gm, user) or kind in (OpKind.VALUE, OpKind.STRUCTURAL):
+        if is_statistics(gm, user) or is_activation_observer(gm, user) or kind in (OpKind.VALUE, OpKind.FIXED,
+                                                                                   OpKind.STRUCTURAL):
             memo[user] = any(_stays_int8(gm, u, memo) for u in user.users)
         elif kind is OpKind.COMPUTE:
             memo[user] = is_quantized_layer(user)
