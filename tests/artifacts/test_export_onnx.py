@@ -361,3 +361,33 @@ def test_qparams_digest_follows_the_calibration(per_backend: Callable[..., Any],
     path = fxquant.export(fxquant.convert(other, backend="reference"), tmp_path / "other.onnx")
     assert _manifest(path)["qparams_sha256"] != reference["qparams_sha256"]
     assert _manifest(path)["sha256"] != reference["sha256"]
+
+
+class _ResidualNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x) + x)
+
+
+@pytest.mark.parametrize("rewrite", [True, False])
+def test_a_norm_after_a_float_add_is_not_fused_into_skip_layer_norm(rewrite: bool, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """ORT fuses Add -> LayerNormalization into its slow SkipLayerNormalization unless the export keeps them apart;
+    without the rewrite (the control) the fusion happens, so the check can fail."""
+    import onnx
+    import onnxruntime as ort
+
+    from fxquant.artifacts.export import onnx as onnx_export
+
+    if not rewrite:
+        monkeypatch.setattr(onnx_export, "keep_add_and_layer_norm_apart", lambda graph: 0)
+    prepared = _calibrated(_ResidualNorm().eval(), (8, 16))
+    path = fxquant.export(fxquant.convert(prepared, backend="reference"), tmp_path / "m.onnx")
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    ops = {node.op_type for node in onnx.load(str(tmp_path / "optimized.onnx")).graph.node}
+    assert ("SkipLayerNormalization" in ops) is not rewrite, sorted(ops)

@@ -70,9 +70,9 @@ def keep_add_and_layer_norm_apart(graph: Any) -> int:
     that ONNX Runtime does not fuse the pair into SkipLayerNormalization; returns how many were rewritten.
 
     Why: a transformer's residual stream is float between fxquant's INT8 Linears (their float output feeds the add
-    unrounded), and ORT 1.32's CPU SkipLayerNormalization is a scalar loop, ~8x slower than the Add and
-    LayerNormalization it replaces (measured by scripts/bench_export.py --profile on bert_style: 9.4 of 30.7 ms per
-    batch of 8 x 128 tokens). The views cost two Reshapes and a Shape per norm; the numbers are the unfused ones.
+    unrounded), and ORT 1.32's CPU SkipLayerNormalization is a scalar loop, much slower than the Add and
+    LayerNormalization it replaces (docs/benchmarks.md, "Exported ONNX in ONNX Runtime"; ``scripts/bench_export.py
+    --profile``). The views cost two Reshapes and a Shape per norm; the numbers are the unfused ones.
     """
     from onnx import helper, numpy_helper
 
