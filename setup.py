@@ -15,7 +15,7 @@ from setuptools import Extension, setup
 
 POSIX = sys.platform != "win32"
 NATIVE_SOURCES = [f"fxquant/native/csrc/{name}.c"
-                  for name in ("module", "histogram", "elementwise", "amx_gemm", "patches")]
+                  for name in ("module", "histogram", "elementwise", "amx_gemm", "patches", "weight_only")]
 NATIVE_HEADERS = ["fxquant/native/csrc/native.h", "fxquant/native/csrc/gemm.h"]
 extensions = [Extension("fxquant.native._native", NATIVE_SOURCES, depends=NATIVE_HEADERS,
                         optional=True, libraries=["m"] if POSIX else [],

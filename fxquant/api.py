@@ -17,7 +17,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from fxquant.calibration import observers_of
 from fxquant.calibration.memory_format import runs_channels_last
-from fxquant.config import QuantConfig
+from fxquant.config import SCHEMES, QuantConfig
 from fxquant.errors import CalibrationError, ConfigError, InputError, TraceError
 from fxquant.kernels.registry import get_backend
 from fxquant.nn.fused import COMPUTE_TYPES
@@ -37,6 +37,7 @@ from fxquant.passes.islands import (
     wrap_untraceable_root,
 )
 from fxquant.passes.pipeline import prepare_graph
+from fxquant.passes.schemes import lower_schemes, scheme_layers, unwrap_layer_islands
 from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
 from fxquant.runtime import runner
 from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
@@ -44,6 +45,7 @@ from fxquant.state import NONE, STATE_KEY, InputSpec, QuantState, drop_in, quant
 from fxquant.tracing import GraphBreak, trace, trace_partially, user_location
 
 log = logging.getLogger(__name__)
+FLOAT_IO_SCHEMES = tuple(s for s in SCHEMES if s != "static")
 
 
 def _check_model(model: nn.Module) -> None:
@@ -166,7 +168,8 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
                   for v in example_inputs if v is None or isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped,
                                     channels_last=runs_channels_last(gm, example_inputs))
-    if not observers_of(gm):  # documented (docs/robustness.md): a no-op, not an error, so all-float fallbacks work
+    has_scheme_layers = any(scheme_layers(g) for g in (gm, *prepared_islands(gm).values()))
+    if not observers_of(gm) and not has_scheme_layers:  # documented (docs/robustness.md): a no-op, not an error
         log.warning("fxquant: %s has no Linear/Conv layer to quantize (all excluded or untraceable); "
                     "convert() will return it unchanged, in float", type(model).__name__)
     return gm
@@ -176,26 +179,45 @@ def _lower(prepared: fx.GraphModule, config: QuantConfig, backend: str) -> fx.Gr
     kernel = get_backend(backend)
     gm = lower_to_int8(prepared, config, kernel)
     lower_islands(gm, kernel)
+    for graph in (gm, *(m for m in gm.modules() if m is not gm and isinstance(m, fx.GraphModule))):
+        lower_schemes(graph)
+    unwrap_layer_islands(gm)
     return gm
 
 
-def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = ()) -> fx.GraphModule:
+def _check_schemes(schemes: Mapping[str, str]) -> dict[str, str]:
+    if not isinstance(schemes, Mapping):
+        raise ConfigError(f"schemes must map module path patterns to schemes, got {schemes!r}")
+    for pattern, scheme in schemes.items():
+        if scheme not in FLOAT_IO_SCHEMES:
+            raise ConfigError(f"convert(schemes={{{pattern!r}: {scheme!r}}}): convert can switch calibrated layers to "
+                              f"{' or '.join(map(repr, FLOAT_IO_SCHEMES))} (neither needs observers); static W8A8 "
+                              "needs calibrated ranges: set QuantConfig(scheme=...) or overrides at prepare instead")
+    return dict(schemes)
+
+
+def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = (),
+                     schemes: Mapping[str, str] | None = None) -> fx.GraphModule:
     """A copy of calibrated ``prepared`` after the passes that use calibration statistics, still float.
 
     In order: observers that saw no data removed (their layers stay float, :mod:`fxquant.passes.unobserved`),
-    SmoothQuant (``smoothquant_alpha``), the layers matching the ``keep_float`` patterns kept float, bias
-    correction (``bias_correction``); their statistics nodes are removed. This is the float graph ``convert``
+    SmoothQuant (``smoothquant_alpha``), the layers matching the ``keep_float`` patterns kept float, the Linears
+    matching a ``schemes`` pattern marked for that scheme (the first matching pattern wins), bias correction
+    (``bias_correction``); their statistics nodes are removed. This is the float graph ``convert``
     lowers, so ``fxquant.testing.simulate(apply_statistics(prepared))`` is the fake-quant twin of
     ``convert(prepared)``, and its layers are the float references of the INT8 ones at the same paths.
     """
     if isinstance(keep_float, str):
         raise ConfigError(f"keep_float must be a list of module path patterns, got the string {keep_float!r}")
+    chosen = _check_schemes(schemes or {})
     gm = copy.deepcopy(prepared)
     for graph in (gm, *prepared_islands(gm).values()):
         state = quant_state(graph)
         keep_unobserved_float(graph, state.prefix)
         smooth_activations(graph, state.config)
         keep_layers_float(graph, tuple(keep_float), prefix=state.prefix)
+        for pattern, scheme in reversed(chosen.items()):  # applied last to first: the first matching one stays
+            keep_layers_float(graph, (pattern,), prefix=state.prefix, scheme=scheme)
         correct_biases(graph)
     return gm
 
@@ -216,12 +238,14 @@ def _check_observed(prepared: fx.GraphModule, config: QuantConfig) -> None:
 
 
 def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float: Collection[str] = (),
-            example_inputs: tuple[Any, ...] | None = None,
-            layer_backends: Mapping[str, str] | None = None) -> nn.Module:
+            example_inputs: tuple[Any, ...] | None = None, layer_backends: Mapping[str, str] | None = None,
+            schemes: Mapping[str, str] | None = None) -> nn.Module:
     """Replace observed Linear/Conv/add nodes with INT8 modules running on ``backend`` (default: the config's).
 
     ``keep_float`` (fnmatch patterns on module paths, like ``QuantConfig.exclude``) keeps those layers float without
-    calibrating again: the accuracy-budget search converts one calibrated model many ways with it. SmoothQuant and
+    calibrating again: the accuracy-budget search converts one calibrated model many ways with it. ``schemes``
+    (pattern -> ``"dynamic"`` or ``"weight_only"``, the first matching pattern winning) runs the matching Linears on
+    that scheme instead, also without calibrating again: ``schemes={"*down_proj": "weight_only"}``. SmoothQuant and
     bias correction are applied here (see :func:`apply_statistics`).
 
     ``backend="auto"`` measures the available kernels on this CPU on each layer's real shapes (see
@@ -246,7 +270,7 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
         if value is not None and name != "auto":
             raise InputError(f"convert({option}=...) is for backend='auto'; the backend here is {name!r}. Drop "
                              f"{option}, or pass backend='auto'.")
-    final = apply_statistics(prepared, keep_float=keep_float)
+    final = apply_statistics(prepared, keep_float=keep_float, schemes=schemes)
     choices: dict[str, str] = {}
     if name != "auto":
         gm = _lower(final, state.config, name)
@@ -257,7 +281,7 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
     statistics = {f"{name}.{key}": value.detach().clone()  # nested island observers too (fxquant.save needs all)
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics,
-                                 layer_backends=choices, keep_float=tuple(keep_float))
+                                 layer_backends=choices, keep_float=tuple(keep_float), schemes=dict(schemes or {}))
     return drop_in(runner.install(gm))
 
 

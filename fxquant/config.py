@@ -26,8 +26,12 @@ from fxquant.native.isa import isa_cap
 CONFIG_VERSION = 1
 BACKENDS = ("fbgemm", "qnnpack", "onednn", "reference", "auto")
 WEIGHT_SCHEMES = ("per_channel", "per_tensor")
+# how a layer runs INT8 (docs/quantization.md "Schemes"): "static" W8A8 with calibrated activation ranges (int8 in
+# and out); "dynamic" W8A8 with each row (token) of the input quantized at run time; "weight_only" INT8 weights with
+# float activations (W8A16). The last two read and return float, need no calibration, and apply to Linear layers.
+SCHEMES = ("static", "dynamic", "weight_only")
 UNOBSERVED = ("float", "error")  # what convert does with layers whose observers saw no data
-OVERRIDE_KEYS = ("activation", "weight", "observer_options")
+OVERRIDE_KEYS = ("activation", "weight", "observer_options", "scheme")
 
 
 def _unknown_key_error(key: str, valid: Sequence[str], where: str) -> ConfigError:
@@ -72,6 +76,7 @@ class LayerSettings:
     weight: str
     observer_options: Mapping[str, Any]
     reason: str = ""
+    scheme: str = "static"  # SCHEMES; a dynamic or weight-only Linear has quantize=False: it gets no observers
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class QuantConfig:
     backend: str = field(default_factory=_default_backend)  # resolved when the config is made, so it is recorded
     activation: str = "histogram"  # the most accurate across the zoo and real data (docs/calibration.md)
     weight: str = "per_channel"
+    scheme: str = "static"  # SCHEMES: static W8A8, dynamic W8A8 (per-token), weight_only (W8A16)
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -108,6 +114,7 @@ class QuantConfig:
         isa_cap()  # a bad FXQUANT_ISA fails here, with the fix, before any kernel is picked by it
         _check_choice("backend", self.backend, BACKENDS, "QuantConfig")
         _check_choice("weight", self.weight, WEIGHT_SCHEMES, "QuantConfig")
+        _check_choice("scheme", self.scheme, SCHEMES, "QuantConfig")
         _check_choice("unobserved", self.unobserved, UNOBSERVED, "QuantConfig")
         _check_activation(self.activation, "QuantConfig")
         alpha = self.smoothquant_alpha
@@ -133,6 +140,8 @@ class QuantConfig:
             _check_activation(settings["activation"], where)
         if "weight" in settings:
             _check_choice("weight", settings["weight"], WEIGHT_SCHEMES, where)
+        if "scheme" in settings:
+            _check_choice("scheme", settings["scheme"], SCHEMES, where)
 
     def settings_for(self, path: str, module_type: str = "", *, position: str = "") -> LayerSettings:
         """Resolve the settings of the module at ``path`` of class ``module_type``.
@@ -140,7 +149,7 @@ class QuantConfig:
         ``position`` is ``"first"``/``"last"`` for the first/last quantizable layer in graph order. Precedence:
         overrides (path, then type) > exclude > keep_first/last_float > include > defaults.
         """
-        base: dict[str, Any] = dict(activation=self.activation, weight=self.weight,
+        base: dict[str, Any] = dict(activation=self.activation, weight=self.weight, scheme=self.scheme,
                                     observer_options=dict(self.observer_options))
         override = self._matching_override(path, module_type)
         if override is not None:

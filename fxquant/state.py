@@ -52,6 +52,7 @@ class QuantState:
     prefix: str = ""  # for an island graph inside an untraceable block: its path in the user's model, plus "."
     layer_backends: dict[str, str] = field(default_factory=dict)  # backend="auto": the backend each layer got
     keep_float: tuple[str, ...] = ()  # converted: convert(keep_float=...) patterns, replayed by fxquant.load
+    schemes: dict[str, str] = field(default_factory=dict)  # converted: convert(schemes=...), replayed likewise
     channels_last: bool = False  # calibrate with channels-last Conv2d weights (calibration.memory_format)
 
 

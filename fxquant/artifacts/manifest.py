@@ -59,6 +59,7 @@ class Manifest:
     backend: str | None = None
     layer_backends: dict[str, str] = field(default_factory=dict)  # backend "auto": each layer's, replayed on load
     keep_float: list[str] = field(default_factory=list)  # convert(keep_float=...) patterns, replayed on load
+    schemes: dict[str, str] = field(default_factory=dict)  # convert(schemes=...) pattern -> scheme, replayed too
     calibration_samples: int = 0
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # role -> {"name", "sha256", "bytes"}
     source: dict[str, Any] | None = None  # CLI run dirs: model spec, weights file and hash, example-input spec
@@ -142,7 +143,8 @@ def read_manifest(directory: str | Path) -> Manifest:
 
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "config": (dict,), "example_inputs": (list,), "graphs": (dict,), "fingerprints": (dict,),
-    "backend": (str, type(None)), "layer_backends": (dict,), "keep_float": (list,), "calibration_samples": (int,),
+    "backend": (str, type(None)), "layer_backends": (dict,), "keep_float": (list,), "schemes": (dict,),
+    "calibration_samples": (int,),
     "source": (dict, type(None)), "history": (list,)}
 
 

@@ -33,11 +33,11 @@ def set_graph(manifest: Manifest, kind: str, gm: fx.GraphModule) -> None:
 
 def set_converted(manifest: Manifest, quantized: fx.GraphModule) -> None:
     """Record what rebuilding ``quantized`` takes besides statistics: its backend, auto's per-layer choices (replayed
-    on load, not measured again), the layers convert() kept float (an accuracy-budget search's result) and its
-    graph."""
+    on load, not measured again), the layers convert() kept float (an accuracy-budget search's result) or switched
+    to another scheme, and its graph."""
     state = quant_state(quantized)
     manifest.backend, manifest.layer_backends = state.backend, dict(state.layer_backends)
-    manifest.keep_float = list(state.keep_float)
+    manifest.keep_float, manifest.schemes = list(state.keep_float), dict(state.schemes)
     set_graph(manifest, "converted", quantized)
 
 
@@ -127,7 +127,7 @@ def rebuild(directory: Path, manifest: Manifest, model: nn.Module,
     if manifest.stage == "calibrated":
         return prepared
     quantized = convert(prepared, backend=manifest.backend, keep_float=manifest.keep_float,
-                        layer_backends=manifest.layer_backends or None)
+                        layer_backends=manifest.layer_backends or None, schemes=manifest.schemes)
     if "converted" in manifest.graphs:
         check_graph(graph_of(quantized), manifest.graphs["converted"], "converted")
     check_weights(graph_of(quantized), load_role(directory, manifest, "quantized"))

@@ -40,6 +40,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     convert.add_argument("--example-inputs", metavar="SPEC",
                          help="backend auto only: the inputs it times kernels on, shaped like your deployment "
                               "batches (32x3x224x224, or PKG.MODULE:FUNCTION; default: shaped like prepare's)")
+    convert.add_argument("--scheme", action="append", default=[], type=_scheme, metavar="PATTERN=SCHEME",
+                         help="run the Linears matching PATTERN on SCHEME (dynamic or weight_only) instead, without "
+                              "calibrating again; repeatable, the first matching pattern wins (e.g. "
+                              "'*down_proj=weight_only')")
     budget = convert.add_argument_group("accuracy budget (keep the fewest layers float that meet it)")
     budget.add_argument("--max-accuracy-drop", type=_points, metavar="PTS",
                         help="metric points the INT8 model may lose (top1/top5: percentage points, 0.5 = half a "
@@ -73,7 +77,19 @@ def _points(text: str) -> float:
     return value
 
 
+def _scheme(text: str) -> tuple[str, str]:
+    from fxquant.config import SCHEMES
+
+    pattern, _, scheme = text.rpartition("=")
+    if not pattern or scheme not in SCHEMES or scheme == "static":
+        raise argparse.ArgumentTypeError(f"expected PATTERN=SCHEME with SCHEME dynamic or weight_only, got {text!r}")
+    return pattern, scheme
+
+
 def _convert(args: argparse.Namespace) -> int:
+    if args.scheme and args.max_accuracy_drop is not None:
+        raise InputError("--scheme is for a plain convert; the accuracy-budget search keeps layers float instead. "
+                         "Drop one of --scheme and --max-accuracy-drop")
     if args.max_accuracy_drop is None:
         given = [flag for flag, value in (("--eval-data", args.eval_data), ("--data", args.data)) if value]
         if given:
@@ -91,11 +107,15 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _plain(args: argparse.Namespace) -> int:
     from fxquant.api import convert
+    from fxquant.calibration import observers_of
 
-    directory, manifest = open_run(args.run_dir, needs="calibrated")
-    prepared = rebuild_run(directory, manifest, trust_options(args), stage="calibrated").graph
+    directory, manifest = open_run(args.run_dir)
+    stage = "prepared" if manifest.stage == "prepared" else "calibrated"
+    prepared = rebuild_run(directory, manifest, trust_options(args), stage=stage).graph
+    if stage == "prepared" and observers_of(prepared):  # a run of dynamic or weight-only layers only needs none
+        open_run(args.run_dir, needs="calibrated")  # raises, naming the step
     timing = parse_example_inputs(args.example_inputs) if args.example_inputs else None
-    quantized = convert(prepared, backend=args.backend, example_inputs=timing)
+    quantized = convert(prepared, backend=args.backend, example_inputs=timing, schemes=dict(args.scheme))
     _write(args, prepared, graph_of(quantized), extra={})
     return 0
 
@@ -107,7 +127,7 @@ def _write(args: argparse.Namespace, prepared: fx.GraphModule, quantized: fx.Gra
     from fxquant.inspect.graph import node_role
     from fxquant.state import quant_state
 
-    directory, manifest = open_run(args.run_dir, needs="calibrated")
+    directory, manifest = open_run(args.run_dir)
     state = quant_state(prepared)
     manifest.config = state.config.to_dict()
     set_graph(manifest, "prepared", prepared)

@@ -9,11 +9,13 @@ bad input, a crash or Ctrl-C leaves RUN_DIR as it was. Calibration additionally 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from fxquant.cli.common import emit, load_config
 from fxquant.cli.rundir import create_run
 from fxquant.cli.source import from_command_line
+from fxquant.config import SCHEMES
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -23,6 +25,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     prepare.add_argument("--example-inputs", required=True, metavar="SPEC",
                          help="shapes such as 1x3x224x224,1x10, or PKG.MODULE:FUNCTION returning a tuple")
     prepare.add_argument("--config", metavar="FILE", help="QuantConfig as .json/.yaml/.toml")
+    prepare.add_argument("--scheme", choices=SCHEMES, help="the config's scheme: static W8A8 (calibrated, the "
+                                                          "default), dynamic (W8A8, per-token) or weight_only (W8A16)")
     prepare.add_argument("-o", "--output", required=True, metavar="RUN_DIR")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing run in RUN_DIR")
     prepare.set_defaults(handler=_prepare)
@@ -32,11 +36,14 @@ def _prepare(args: argparse.Namespace) -> int:
     from fxquant.calibration import observers_of
 
     source, recipe = from_command_line(args.model, args.example_inputs, args.weights)
-    manifest, prepared = create_run(Path(args.output), source, recipe, load_config(args.config),
-                                    overwrite=args.overwrite)
+    config = load_config(args.config)
+    if args.scheme:
+        config = dataclasses.replace(config, scheme=args.scheme)
+    manifest, prepared = create_run(Path(args.output), source, recipe, config, overwrite=args.overwrite)
     count = len(observers_of(prepared))
+    step = f"fxquant calibrate {args.output} --data SPEC" if count else f"fxquant convert {args.output}"
     emit(args, f"prepared {args.model}: {count} observers inserted; {args.output} is at stage 'prepared'\n"
-               f"next: fxquant calibrate {args.output} --data SPEC",
+               f"next: {step}",
          {"run_dir": args.output, "stage": "prepared", "observers": count,
           "fingerprint": manifest.fingerprints["prepared"]})
     return 0

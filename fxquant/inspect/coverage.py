@@ -20,6 +20,7 @@ from fxquant.nn.fused import COMPUTE_TYPES, Fused
 from fxquant.nn.island import SURFACE_KEY, Surface
 from fxquant.nn.layers import LOOKUP_TYPES, layer_kind
 from fxquant.nn.quantized import DeQuantize, Quantize, _QuantizedWeighted
+from fxquant.nn.schemes import SchemeLinear
 from fxquant.nn.shared_quantize import SharedQuantize
 from fxquant.observers import Observer
 from fxquant.passes.meta import LAYER_SETTINGS
@@ -29,7 +30,8 @@ from fxquant.state import STATE_KEY, WRAPPED, QuantState, graph_of, quant_state
 @dataclass(frozen=True)
 class LayerCoverage:
     """One layer: its path, float class, whether it runs INT8, why not (for an INT8 layer: a note such as
-    "float output"), on which backend, and its multiply-adds for the example inputs (0: a lookup, or not run)."""
+    "float output"), on which backend, its multiply-adds for the example inputs (0: a lookup, or not run), and, for
+    an INT8 layer, its scheme (``QuantConfig.scheme``: a weight-only layer's multiply-adds are float ones)."""
 
     path: str
     kind: str
@@ -37,6 +39,12 @@ class LayerCoverage:
     reason: str = ""
     backend: str = ""
     macs: int = 0
+    scheme: str = ""
+
+    @property
+    def int8_macs(self) -> bool:
+        """Whether its multiply-adds run on int8 operands (static and dynamic W8A8, not weight-only)."""
+        return self.quantized and self.scheme != "weight_only"
 
     @property
     def lookup(self) -> bool:
@@ -60,28 +68,36 @@ class Coverage:
 
     @property
     def int8_mac_fraction(self) -> float | None:
-        """The fraction of the example inputs' multiply-adds that runs INT8, or None where none were counted."""
+        """The fraction of the example inputs' multiply-adds that runs on int8 operands (weight-only layers hold int8
+        weights but multiply in float), or None where none were counted."""
         total = sum(layer.macs for layer in self.layers)
-        return sum(layer.macs for layer in self.layers if layer.quantized) / total if total else None
+        return sum(layer.macs for layer in self.layers if layer.int8_macs) / total if total else None
 
     def rows(self) -> list[dict[str, object]]:
         return [asdict(layer) for layer in self.layers]
 
     def __str__(self) -> str:
         header = ("module", "kind", "quantized", "backend", "multiply-adds", "reason")
-        rows = [header] + [(r.path, r.kind, "yes" if r.quantized else "no", r.backend, _count(r.macs), r.reason)
-                           for r in self.layers]
+        rows = [header] + [(r.path, r.kind, _quantized(r), r.backend, _count(r.macs), r.reason) for r in self.layers]
         widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
         layers = [layer for layer in self.layers if not layer.lookup]
         done = sum(layer.quantized for layer in layers)
         macs = self.int8_mac_fraction
-        share = "" if macs is None else f" ({100 * macs:.1f}% of the multiply-adds at the example inputs)"
-        lines.append(f"{done}/{len(layers)} Linear/Conv layers INT8{share}; {self.quantize_nodes} quantize and "
+        share = "" if macs is None else f" ({100 * macs:.1f}% of the multiply-adds at the example inputs on int8)"
+        weight_only = sum(layer.scheme == "weight_only" for layer in layers)
+        note = f", {weight_only} of them weight-only (int8 weights, float multiply-adds)" if weight_only else ""
+        lines.append(f"{done}/{len(layers)} Linear/Conv layers INT8{note}{share}; {self.quantize_nodes} quantize and "
                      f"{self.dequantize_nodes} dequantize nodes")
         lines += [f"graph break: {b}" for b in self.graph_breaks]
         return "\n".join(lines)
+
+
+def _quantized(row: LayerCoverage) -> str:
+    if not row.quantized:
+        return "no"
+    return "yes" if row.scheme in ("", "static") else f"yes ({row.scheme})"
 
 
 def _count(macs: int) -> str:
@@ -109,17 +125,21 @@ def _graphs(gm: fx.GraphModule) -> list[tuple[fx.GraphModule, str, QuantState]]:
 def _row(gm: fx.GraphModule, node: fx.Node, path: str, state: QuantState) -> LayerCoverage | None:
     module = gm.get_submodule(str(node.target))
     inner = module.inner if isinstance(module, Fused) else module
-    if not isinstance(inner, (*COMPUTE_TYPES, _QuantizedWeighted)):
+    if not isinstance(inner, (*COMPUTE_TYPES, _QuantizedWeighted, SchemeLinear)):
         return None
+    if isinstance(inner, SchemeLinear):
+        return LayerCoverage(path, "Linear", True, backend=inner.kernel, scheme=inner.scheme)
     kind = type(inner).__name__.removeprefix("Quantized")
     if isinstance(inner, _QuantizedWeighted):
         note = "float output (from the int32 accumulator)" if getattr(inner, "float_output", False) else ""
-        return LayerCoverage(path, kind, True, note, backend=inner.backend.name)
+        return LayerCoverage(path, kind, True, note, backend=inner.backend.name, scheme="static")
     observer = next(iter(node.users)) if len(node.users) == 1 else None
     if observer is not None and isinstance(gm.get_submodule(str(observer.target)) if observer.op == "call_module"
                                            else None, Observer):
-        return LayerCoverage(path, kind, True, backend=state.config.backend)
+        return LayerCoverage(path, kind, True, backend=state.config.backend, scheme="static")
     settings = node.meta.get(LAYER_SETTINGS)
+    if settings is not None and not settings.quantize and settings.scheme != "static":  # prepared; no observers
+        return LayerCoverage(path, kind, True, scheme=settings.scheme)
     reason = str(settings.reason) if settings is not None and not settings.quantize else \
         "its input is not a tensor produced in the graph (unsupported pattern)"
     return LayerCoverage(path, kind, False, reason)

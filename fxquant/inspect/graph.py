@@ -7,13 +7,16 @@ from typing import TextIO
 
 from torch import fx, nn
 
+from fxquant.nn.fused import Fused
 from fxquant.nn.quantized import DeQuantize, Quantize, _BackendModule
+from fxquant.nn.schemes import SchemeLinear
 from fxquant.observers import Observer
 from fxquant.state import graph_of
 
 
 def node_role(node: fx.Node, modules: dict[str, nn.Module]) -> str:
-    """``observer``, ``quantize``, ``dequantize``, ``int8[<backend>]`` or empty for float nodes."""
+    """``observer``, ``quantize``, ``dequantize``, ``int8[<backend>]``, ``int8[<scheme>]`` (a dynamic or weight-only
+    Linear, float in and out) or empty for float nodes."""
     if node.op != "call_module":
         return ""
     module = modules.get(str(node.target))
@@ -25,6 +28,9 @@ def node_role(node: fx.Node, modules: dict[str, nn.Module]) -> str:
         return "dequantize"
     if isinstance(module, _BackendModule):
         return f"int8[{module.backend.name}]"
+    inner = module.inner if isinstance(module, Fused) else module
+    if isinstance(inner, SchemeLinear):
+        return f"int8[{inner.scheme}]"
     return ""
 
 

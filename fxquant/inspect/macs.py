@@ -19,6 +19,7 @@ from torch import nn
 from fxquant.nn.fused import Fused
 from fxquant.nn.layers import is_transposed_linear, layer_kind
 from fxquant.nn.quantized import QuantizedConvTransposeNd, _QuantizedWeighted
+from fxquant.nn.schemes import SchemeLinear
 
 
 def _weight(module: nn.Module) -> torch.Tensor | None:
@@ -31,12 +32,14 @@ def layer_macs(module: nn.Module, args: tuple[Any, ...], output: Any) -> int:
     """The multiply-adds of one call of a Linear/conv-like ``module`` (float or INT8) that read ``args[0]`` and
     returned ``output``; 0 for lookups and for calls whose shapes say nothing (no tensor)."""
     x = args[0] if args else None
+    inner = module.inner if isinstance(module, Fused) else module
+    if isinstance(inner, SchemeLinear):  # its float ``weight`` is made on access: count from its sizes
+        return output.numel() * inner.in_features if isinstance(output, torch.Tensor) else 0
     if isinstance(module, nn.MultiheadAttention) and isinstance(x, torch.Tensor):
         return x.numel() // module.embed_dim * 4 * module.embed_dim ** 2  # q, k, v and output projections
     weight = _weight(module)
     if weight is None or not isinstance(output, torch.Tensor) or layer_kind(module) in ("Embedding", "EmbeddingBag"):
         return 0
-    inner = module.inner if isinstance(module, Fused) else module
     if is_transposed_linear(inner):
         return output.numel() * weight.shape[0]
     if isinstance(inner, (nn.modules.conv._ConvTransposeNd, QuantizedConvTransposeNd)):
@@ -47,7 +50,8 @@ def layer_macs(module: nn.Module, args: tuple[Any, ...], output: Any) -> int:
 def counted(module: nn.Module) -> bool:
     """Whether coverage counts ``module``'s multiply-adds: an INT8 layer or a float layer kind."""
     inner = module.inner if isinstance(module, Fused) else module
-    return isinstance(inner, _QuantizedWeighted) or layer_kind(inner) not in (None, "Embedding", "EmbeddingBag")
+    return isinstance(inner, (_QuantizedWeighted, SchemeLinear)) or layer_kind(inner) not in (None, "Embedding",
+                                                                                            "EmbeddingBag")
 
 
 @contextmanager

@@ -29,6 +29,11 @@ _PatchWeights = tuple[int, int, int, int, int, int]  # w, colsum, bias, in_chann
 _PatchRequant = tuple[float, float, int, int]  # rcp, multiplier, zx, zo
 _PatchOutput = tuple[int, _Triple]  # data, strides (bytes)
 
+# weight_only.c: the three parts of WeightOnlyRows
+_FloatRows = tuple[int, int, int]  # x, rows, x_stride (floats)
+_Int8Weights = tuple[int, int, int, int, int]  # w, scale, bias (0: none), in_features, out_features
+_FloatOut = tuple[int, int]  # out, out_stride (floats)
+
 def set_isa_cap(level: int, /) -> None: ...
 def scan_f32(x_ptr: int, n: int, grid: _HistogramGrid, counts_ptr: int, /) -> tuple[float, float, bool]: ...
 def quantize_f32(x_ptr: int, out_ptr: int, shape: _Planes, params: _QuantizeParams, signed_out: bool,
@@ -42,3 +47,4 @@ def conv_u8(x: _ConvInput, window: _ConvWindow, weights: _GemmWeights, requant: 
             /) -> bool: ...
 def patches_u8(x: _PatchInput, weights: _PatchWeights, requant: _PatchRequant, out: _PatchOutput,
                kernel: tuple[int, int], /) -> bool: ...
+def weight_only_f32(x: _FloatRows, weights: _Int8Weights, out: _FloatOut, /) -> None: ...

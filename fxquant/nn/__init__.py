@@ -19,9 +19,11 @@ from fxquant.nn.quantized import (
     QuantizedPool,
     QuantizedReLU,
 )
+from fxquant.nn.schemes import DynamicInt8Linear, SchemeLinear, WeightOnlyInt8Linear
 
 __all__ = [
     "DeQuantize",
+    "DynamicInt8Linear",
     "Fused",
     "Quantize",
     "QuantizedAdd",
@@ -38,5 +40,7 @@ __all__ = [
     "QuantizedLinear",
     "QuantizedLookup",
     "QuantizedReLU",
+    "SchemeLinear",
+    "WeightOnlyInt8Linear",
     "add_relu",
 ]

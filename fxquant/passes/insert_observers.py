@@ -24,6 +24,7 @@ from fxquant.passes._graph import finish, modules_of, nodes_of
 from fxquant.passes.float_outputs import float_residual_add
 from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.passes.patterns import OpKind, classify, join_inputs, tensor_input
+from fxquant.passes.schemes import resolve_scheme
 
 OBSERVER_PREFIX = "observer_"
 
@@ -72,7 +73,8 @@ def _observe_input(state: _State, consumer: fx.Node, value: fx.Node, settings: L
 
 
 def resolve_layer_settings(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> None:
-    """Record each Linear/Conv node's resolved settings in ``node.meta[LAYER_SETTINGS]``.
+    """Record each Linear/Conv node's resolved settings in ``node.meta[LAYER_SETTINGS]`` (a Linear on a float-in,
+    float-out scheme with ``quantize=False``: it gets no observers, :func:`~fxquant.passes.schemes.resolve_scheme`).
 
     ``prefix`` is the path of ``gm`` inside the user's model (for graphs of submodules), so patterns match the
     paths users see.
@@ -81,8 +83,9 @@ def resolve_layer_settings(gm: fx.GraphModule, config: QuantConfig, prefix: str 
     compute = [n for n in nodes_of(gm) if classify(n, modules) is OpKind.COMPUTE]
     for index, node in enumerate(compute):
         position = "first" if index == 0 else "last" if index == len(compute) - 1 else ""
-        module_type = type(compute_module(modules[str(node.target)])).__name__
-        node.meta[LAYER_SETTINGS] = config.settings_for(prefix + str(node.target), module_type, position=position)
+        layer = compute_module(modules[str(node.target)])
+        settings = config.settings_for(prefix + str(node.target), type(layer).__name__, position=position)
+        node.meta[LAYER_SETTINGS] = resolve_scheme(settings, layer)  # type: ignore[arg-type]
 
 
 def _int8_reads(node: fx.Node, kind: OpKind, int8: set[fx.Node], modules: dict) -> list[fx.Node] | None:

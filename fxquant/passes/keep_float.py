@@ -36,6 +36,7 @@ from fxquant.passes._stats import (
 )
 from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.passes.patterns import OpKind, tensor_input
+from fxquant.passes.schemes import takes_scheme
 
 REASON = "kept float by the accuracy-budget fallback"
 
@@ -110,19 +111,25 @@ def _connected_observers(gm: fx.GraphModule, chosen: list[fx.Node]) -> list[fx.N
     return [node for node in nodes_of(gm) if node in seen and is_activation_observer(gm, node)]
 
 
-def keep_layers_float(gm: fx.GraphModule, patterns: Collection[str], prefix: str = "") -> fx.GraphModule:
+def keep_layers_float(gm: fx.GraphModule, patterns: Collection[str], prefix: str = "", *,
+                      scheme: str = "static") -> fx.GraphModule:
     """Keep the quantized layers matching ``patterns`` (fnmatch on ``prefix`` + module path, as in
-    ``QuantConfig.exclude``) float.
+    ``QuantConfig.exclude``) float, or, with a float-in, float-out ``scheme`` (``"dynamic"``, ``"weight_only"``),
+    mark the Linears among them for that scheme (:mod:`fxquant.passes.schemes` swaps them after lowering; around
+    them the graph is what it is for float layers).
 
     ``gm`` is a calibrated prepared graph (a copy: it is changed in place and returned). Example::
 
         gm = keep_layers_float(copy.deepcopy(prepared), {"fc2"})
     """
     chosen = [node for node in nodes_of(gm) if node.op == "call_module" and LAYER_SETTINGS in node.meta
-              and any(fnmatch.fnmatchcase(prefix + str(node.target), pattern) for pattern in patterns)]
+              and any(fnmatch.fnmatchcase(prefix + str(node.target), pattern) for pattern in patterns)
+              and (scheme == "static" or takes_scheme(gm, node))]
     for node in chosen:  # all marked first: whether a value stays int8 depends on every reader's fate
-        if is_quantized_layer(node):
-            node.meta[LAYER_SETTINGS] = replace(node.meta[LAYER_SETTINGS], quantize=False, reason=REASON)
+        settings = node.meta[LAYER_SETTINGS]
+        if settings.quantize or settings.scheme != "static":
+            node.meta[LAYER_SETTINGS] = replace(settings, quantize=False, scheme=scheme,
+                                                reason=REASON if scheme == "static" else "")
     for node in chosen:
         _read_float_input(gm, node)
     memo: dict[fx.Node, bool] = {}

@@ -33,6 +33,7 @@ import math
 
 import torch
 from torch import fx, nn
+from torch.nn.utils import parametrize
 
 from fxquant.config import QuantConfig
 from fxquant.errors import CalibrationError
@@ -184,7 +185,8 @@ def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver,
             alpha: float | str) -> SmoothingChoice | None:
     layer_nodes = [behind_statistics(gm, user) for user in node.users]
     layers = [compute_module(module_of(gm, n) or nn.Module()) for n in layer_nodes]
-    weights = [layer.weight for layer in layers if isinstance(layer, nn.Linear)]
+    weights = [layer.weight for layer in layers  # a reparametrized weight is computed: it cannot be rescaled
+               if isinstance(layer, nn.Linear) and not parametrize.is_parametrized(layer, "weight")]
     if len(weights) != len(layer_nodes):
         return None
     names = ", ".join(str(n.target) for n in layer_nodes)
@@ -197,8 +199,9 @@ def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver,
         return choice
     scales = smoothing_scales(statistics.absmax(), torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0),
                               chosen)
-    for weight in weights:
-        weight.mul_(scales)
+    for layer in layers:  # a new tensor each: a weight tied to another module (an LM head's to the embedding)
+        assert isinstance(layer, nn.Linear)  # must not change there
+        layer.weight = nn.Parameter(layer.weight.detach() * scales, requires_grad=layer.weight.requires_grad)
     for user in node.users:  # bias-correction statistics between here and the layer saw the unsmoothed value
         module = module_of(gm, user)
         if isinstance(module, InputMeanObserver):

@@ -6,6 +6,7 @@
  *   elementwise.c quantize_f32, mean_u8, mul_u8, lookup_u8, copy_rows (fxquant/native/elementwise.py)
  *   amx_gemm.c    conv_u8, linear_rows_u8: int8 GEMMs on AMX and AVX512-VNNI (fxquant/native/amx_gemm.py)
  *   patches.c     patches_u8: a kernel == stride transposed conv on AVX512-VNNI and AMX (the same wrappers)
+ *   weight_only.c weight_only_f32: a few-row float32 Linear on int8 weights (fxquant/native/weight_only.py)
  * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share)
  * Each struct is one Python tuple of the same fields in the same order (fxquant/native/_native.pyi), and each kernel
  * gives the bytes of the torch or engine path it replaces (the tests compare them with torch.equal). setup.py
@@ -20,6 +21,22 @@
 #define FXQ_INTERNAL __attribute__((visibility("hidden"))) /* shared between the files, not exported by the .so */
 #else
 #define FXQ_INTERNAL
+/* ---- weight_only.c ---- */
+
+/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense), a
+ * float32 scale and optional bias (NULL) per output, rows x out_features float32 outputs (out_stride apart). */
+typedef struct {
+    const float *x;
+    int64_t rows, x_stride;
+    const int8_t *w;
+    const float *scale, *bias;
+    int64_t in_features, out_features;
+    float *out;
+    int64_t out_stride;
+} WeightOnlyRows;
+
+FXQ_INTERNAL void fxq_weight_only_f32(const WeightOnlyRows *p);
+
 #endif
 
 /* The hot element-wise loops get AVX2 and AVX-512 clones, one chosen at load for this CPU (the default clone runs
@@ -28,6 +45,22 @@
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES
+/* ---- weight_only.c ---- */
+
+/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense), a
+ * float32 scale and optional bias (NULL) per output, rows x out_features float32 outputs (out_stride apart). */
+typedef struct {
+    const float *x;
+    int64_t rows, x_stride;
+    const int8_t *w;
+    const float *scale, *bias;
+    int64_t in_features, out_features;
+    float *out;
+    int64_t out_stride;
+} WeightOnlyRows;
+
+FXQ_INTERNAL void fxq_weight_only_f32(const WeightOnlyRows *p);
+
 #endif
 
 /* The instruction sets the loops may use, capped by FXQUANT_ISA (fxquant.native.isa, set once by fxquant.native
@@ -180,5 +213,21 @@ FXQ_INTERNAL void fxq_linear_rows_u8(const ByteRows *x, int64_t rows, const Gemm
 /* Only where fxq_vnni_usable(); amx: fxq_amx_usable(), read with the GIL. */
 FXQ_INTERNAL void fxq_patches_u8(const PatchInput *x, const PatchWeights *weights, const PatchRequant *requant,
                                  const PatchOutput *out, const int64_t kernel[2], int amx);
+
+/* ---- weight_only.c ---- */
+
+/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense), a
+ * float32 scale and optional bias (NULL) per output, rows x out_features float32 outputs (out_stride apart). */
+typedef struct {
+    const float *x;
+    int64_t rows, x_stride;
+    const int8_t *w;
+    const float *scale, *bias;
+    int64_t in_features, out_features;
+    float *out;
+    int64_t out_stride;
+} WeightOnlyRows;
+
+FXQ_INTERNAL void fxq_weight_only_f32(const WeightOnlyRows *p);
 
 #endif

@@ -1,0 +1,47 @@
+"""Weight-only INT8 Linear (W8A16): int8 weights with one float scale per output channel, float activations.
+
+``out = x @ (weight * scale[:, None]).T + bias``. A decode step of an LLM multiplies a few rows by every weight
+once, so it is bound by the bytes of weight read: the C loop (``fxquant/native/csrc/weight_only.c``) reads the int8
+weights and widens them in registers, a quarter of a float32 Linear's traffic. Above :data:`LOOP_ROWS` rows (a
+prefill) the same weights are dequantized a block of output channels at a time into a reused scratch buffer and
+multiplied by torch's float GEMM, which is compute-bound there; no float copy of the weights is kept between calls.
+Inputs of another float dtype are computed in float32 and returned in their dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fxquant import native
+from fxquant.native.weight_only import weight_only_into
+
+LOOP_ROWS = 8  # the C loop up to this many rows; torch's GEMM beyond (docs/quantization.md "Schemes" measures it)
+_BLOCK = 1 << 20  # weights dequantized per GEMM call above LOOP_ROWS: a 4 MB scratch buffer, cache-sized
+
+
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    buffer = native.scratch.scratch("weight_only", (stop - start) * weight.shape[1], torch.float32)
+    return torch.mul(weight[start:stop], scale[start:stop, None], out=buffer.view(stop - start, weight.shape[1]))
+
+
+def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (..., in_features) float times dense int8 ``weight`` (out_features, in_features) scaled per output
+    channel by float32 ``scale``, plus float32 ``bias``; float in, float out."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features).to(torch.float32)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    if rows.shape[0] > LOOP_ROWS or not weight_only_into(out, rows, weight, scale, bias):
+        step = max(1, _BLOCK // in_features)
+        for start in range(0, out_features, step):
+            stop = min(start + step, out_features)
+            part = F.linear(rows, _dequantized(weight, scale, start, stop),
+                            None if bias is None else bias[start:stop])
+            if stop - start == out_features:
+                out = part
+            else:
+                out[:, start:stop] = part
+    return out.reshape(*x.shape[:-1], out_features).to(x.dtype)

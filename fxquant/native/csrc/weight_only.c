@@ -1,0 +1,148 @@
+/* weight_only_f32: a Linear on a few float32 rows with int8 weights (W8A16, "weight-only"), for LLM decoding.
+ *
+ * out[m, n] = sum_k x[m, k] * float(w[n, k]) * scale[n] + bias[n]: the weights stay int8 in memory and are widened
+ * to float32 in registers, so a decode step (one row per sequence) reads a quarter of the bytes a float32 Linear
+ * reads, which is what bounds it. Eight weight rows at a time, each read once per pair of input rows;
+ * the sums run in float32 with fused multiply-adds in 16 lanes (AVX-512) or 8 (AVX2), so they round differently from
+ * torch's float32 GEMM (tests compare both with a float64 reference). Arguments arrive checked (module.c); the loop
+ * runs without the GIL. Where it is used: fxquant/kernels/weight_only.py.
+ */
+#include <stdint.h>
+
+#include "native.h"
+
+#define ROW_BLOCK 2 /* input rows per pass over the weights */
+#define COL_BLOCK 8 /* weight rows (outputs) per step: 8 independent sums per input row hide the FMA latency */
+
+static void finish(const WeightOnlyRows *p, const int64_t m, const int64_t n, const float sum) {
+    p->out[m * p->out_stride + n] = sum * p->scale[n] + (p->bias ? p->bias[n] : 0.0f);
+}
+
+/* Any x86-64 (or other) CPU: the same sums, one lane. */
+static void rows_scalar(const WeightOnlyRows *p, const int64_t m0, const int rows) {
+    for (int64_t n = 0; n < p->out_features; n++) {
+        const int8_t *w = p->w + n * p->in_features;
+        for (int r = 0; r < rows; r++) {
+            const float *x = p->x + (m0 + r) * p->x_stride;
+            float sum = 0.0f;
+            for (int64_t k = 0; k < p->in_features; k++)
+                sum += x[k] * (float)w[k];
+            finish(p, m0 + r, n, sum);
+        }
+    }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+/* The weight rows of the block at n0; past the last output, the last row again (computed, not stored), so the
+ * loops below have constant bounds and their sums stay in registers. */
+static inline void block_rows(const WeightOnlyRows *p, const int64_t n0, const int8_t *w[COL_BLOCK]) {
+    for (int c = 0; c < COL_BLOCK; c++)
+        w[c] = p->w + (n0 + c < p->out_features ? n0 + c : p->out_features - 1) * p->in_features;
+}
+
+/* rows (1 or 2, a constant once inlined) input rows at m0 against the COL_BLOCK outputs at n0. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inline void block_avx512(
+    const WeightOnlyRows *p, const int64_t m0, const int rows, const int64_t n0) {
+    const int64_t K = p->in_features;
+    const int8_t *w[COL_BLOCK];
+    block_rows(p, n0, w);
+    __m512 acc[ROW_BLOCK][COL_BLOCK];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < COL_BLOCK; c++)
+            acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 mask = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
+        __m512 x[ROW_BLOCK];
+        for (int r = 0; r < rows; r++)
+            x[r] = _mm512_maskz_loadu_ps(mask, p->x + (m0 + r) * p->x_stride + k);
+        if (k % 64 == 0) /* the next block's weights: 8 rows read 16 bytes at a time outrun the prefetcher */
+            for (int c = 0; c < COL_BLOCK; c++)
+                _mm_prefetch((const char *)(w[c] + COL_BLOCK * K + k), _MM_HINT_T0);
+        for (int c = 0; c < COL_BLOCK; c++) {
+            const __m512 wc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w[c] + k)));
+            for (int r = 0; r < rows; r++)
+                acc[r][c] = _mm512_fmadd_ps(x[r], wc, acc[r][c]);
+        }
+    }
+    for (int c = 0; c < COL_BLOCK && n0 + c < p->out_features; c++)
+        for (int r = 0; r < rows; r++)
+            finish(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) static void rows_avx512(const WeightOnlyRows *p,
+                                                                           const int64_t m0, const int rows) {
+    for (int64_t n0 = 0; n0 < p->out_features; n0 += COL_BLOCK) {
+        if (rows == 1)
+            block_avx512(p, m0, 1, n0);
+        else
+            block_avx512(p, m0, ROW_BLOCK, n0);
+    }
+}
+
+__attribute__((target("avx2,fma"))) static inline float sum8(const __m256 v) {
+    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline void block_avx2(
+    const WeightOnlyRows *p, const int64_t m0, const int rows, const int64_t n0) {
+    const int64_t K = p->in_features, full = K - K % 8;
+    const int8_t *w[COL_BLOCK];
+    block_rows(p, n0, w);
+    __m256 acc[ROW_BLOCK][COL_BLOCK];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < COL_BLOCK; c++)
+            acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < full; k += 8) {
+        __m256 x[ROW_BLOCK];
+        for (int r = 0; r < rows; r++)
+            x[r] = _mm256_loadu_ps(p->x + (m0 + r) * p->x_stride + k);
+        if (k % 64 == 0)
+            for (int c = 0; c < COL_BLOCK; c++)
+                _mm_prefetch((const char *)(w[c] + COL_BLOCK * K + k), _MM_HINT_T0);
+        for (int c = 0; c < COL_BLOCK; c++) {
+            const __m256 wc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w[c] + k))));
+            for (int r = 0; r < rows; r++)
+                acc[r][c] = _mm256_fmadd_ps(x[r], wc, acc[r][c]);
+        }
+    }
+    for (int c = 0; c < COL_BLOCK && n0 + c < p->out_features; c++)
+        for (int r = 0; r < rows; r++) {
+            const float *x = p->x + (m0 + r) * p->x_stride;
+            float sum = sum8(acc[r][c]);
+            for (int64_t k = full; k < K; k++)
+                sum += x[k] * (float)w[c][k];
+            finish(p, m0 + r, n0 + c, sum);
+        }
+}
+
+__attribute__((target("avx2,fma"))) static void rows_avx2(const WeightOnlyRows *p, const int64_t m0,
+                                                          const int rows) {
+    for (int64_t n0 = 0; n0 < p->out_features; n0 += COL_BLOCK) {
+        if (rows == 1)
+            block_avx2(p, m0, 1, n0);
+        else
+            block_avx2(p, m0, ROW_BLOCK, n0);
+    }
+}
+#endif
+
+void fxq_weight_only_f32(const WeightOnlyRows *p) {
+    for (int64_t m0 = 0; m0 < p->rows; m0 += ROW_BLOCK) {
+        const int rows = p->rows - m0 < ROW_BLOCK ? (int)(p->rows - m0) : ROW_BLOCK;
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+            rows_avx512(p, m0, rows);
+            continue;
+        }
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+            rows_avx2(p, m0, rows);
+            continue;
+        }
+#endif
+        rows_scalar(p, m0, rows);
+    }
+}

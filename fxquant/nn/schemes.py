@@ -1,0 +1,79 @@
+"""The INT8 Linears of the float-in, float-out schemes (``QuantConfig(scheme=...)``, docs/quantization.md).
+
+- :class:`DynamicInt8Linear` (``"dynamic"``, W8A8-dynamic): each input row quantized at run time, per-channel int8
+  weights, exact int32 sums (:mod:`fxquant.kernels.per_token`);
+- :class:`WeightOnlyInt8Linear` (``"weight_only"``, W8A16): int8 weights, float activations
+  (:mod:`fxquant.kernels.weight_only`).
+
+Both keep only the int8 weight (``qweight``), its per-output-channel float32 scale and the float32 bias (no float
+copy of the weight), read and return float, and need no calibration: they stand where a float ``nn.Linear`` stood,
+anywhere in a graph, and in code torch.fx cannot trace in place of the Linear itself (no island around them: a
+decode step calls a few hundred of them). What user code reads from a Linear reads the same here:
+``in_features``/``out_features``, ``bias``, and ``weight``, the float weight they compute with, made on access.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxquant.kernels.per_token import per_token_linear
+from fxquant.kernels.weight_only import weight_only_linear
+from fxquant.qparams import QParams, quantize
+
+
+class SchemeLinear(nn.Module):
+    """int8 ``qweight`` (out_features, in_features) with float32 ``weight_scale`` per output channel and ``bias``;
+    ``scheme`` names the scheme, ``kernel`` what computes it (for coverage)."""
+
+    scheme: str
+    kernel: str
+    qweight: torch.Tensor
+    weight_scale: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("qweight", quantize(weight.detach(), w_qp).contiguous())
+        self.register_buffer("weight_scale", w_qp.scale.float().expand(self.out_features).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, w_qp: QParams) -> SchemeLinear:
+        return cls(linear.weight, w_qp, linear.bias)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return self.qweight.float() * self.weight_scale[:, None]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The float weight this layer computes with (dequantized on each access; none is kept)."""
+        return self.dequantized_weight()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+class DynamicInt8Linear(SchemeLinear):
+    """W8A8 with per-token activation scales computed at run time (``QuantConfig(scheme="dynamic")``)."""
+
+    scheme = "dynamic"
+    kernel = "torch._int_mm"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return per_token_linear(x, self.qweight.t(), self.weight_scale, self.bias)
+
+
+class WeightOnlyInt8Linear(SchemeLinear):
+    """INT8 weights, float activations (``QuantConfig(scheme="weight_only")``, W8A16)."""
+
+    scheme = "weight_only"
+    kernel = "weight-only loop"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return weight_only_linear(x, self.qweight, self.weight_scale, self.bias)
+
+
+SCHEME_MODULES: dict[str, type[SchemeLinear]] = {"dynamic": DynamicInt8Linear,
+                                                      "weight_only": WeightOnlyInt8Linear}

@@ -1,0 +1,87 @@
+"""The float-in, float-out schemes (``QuantConfig(scheme="dynamic" | "weight_only")``): which layers take them, and
+the swap that gives them their INT8 modules.
+
+A dynamic or weight-only Linear reads and returns float, so to every other pass it is a float layer: prepare gives
+it no observers (:func:`resolve_scheme` marks its settings ``quantize=False`` with the scheme), ``convert(...,
+schemes=...)`` takes calibrated static layers out of the static flow the way ``keep_float`` does
+(:func:`~fxquant.passes.keep_float.keep_layers_float`), and after lowering :func:`lower_schemes` replaces each such
+float Linear by :class:`~fxquant.nn.schemes.DynamicInt8Linear` or :class:`~fxquant.nn.schemes.WeightOnlyInt8Linear`.
+The schemes apply to Linear layers (and transformers' ``Conv1D``, traced as one); a convolution a scheme pattern
+matches stays static W8A8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch import fx, nn
+
+from fxquant.config import LayerSettings
+from fxquant.nn.fused import Fused, compute_module
+from fxquant.nn.island import SURFACE_KEY, Island, Surface
+from fxquant.nn.schemes import SCHEME_MODULES, SchemeLinear
+from fxquant.observers import get_weight_observer
+from fxquant.passes._graph import modules_of, nodes_of, replace_submodule
+from fxquant.passes.meta import LAYER_SETTINGS
+
+
+def takes_scheme(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Whether ``node`` calls a layer a float-in, float-out scheme applies to: a Linear, plain or fused."""
+    module = modules_of(gm).get(str(node.target)) if node.op == "call_module" else None
+    return module is not None and isinstance(compute_module(module), nn.Linear)
+
+
+def resolve_scheme(settings: LayerSettings, layer: nn.Module) -> LayerSettings:
+    """A layer's prepare-time settings under its scheme: a quantized Linear on a float-in, float-out scheme gets no
+    observers (``quantize=False``, the scheme kept); any other layer runs static W8A8 or float as configured."""
+    if settings.scheme == "static":
+        return settings
+    if settings.quantize and isinstance(layer, nn.Linear):
+        return replace(settings, quantize=False)
+    return replace(settings, scheme="static")
+
+
+def scheme_layers(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes of ``gm`` whose layers run a float-in, float-out scheme."""
+    return [node for node in nodes_of(gm) if node.op == "call_module" and LAYER_SETTINGS in node.meta
+            and not node.meta[LAYER_SETTINGS].quantize and node.meta[LAYER_SETTINGS].scheme != "static"]
+
+
+def lower_schemes(gm: fx.GraphModule) -> fx.GraphModule:
+    """Replace each float Linear of ``gm`` marked with a float-in, float-out scheme by its INT8 module (in place; a
+    fused activation stays around it). Returns ``gm``."""
+    modules = modules_of(gm)
+    for node in {str(n.target): n for n in scheme_layers(gm)}.values():  # a layer called twice is swapped once
+        settings: LayerSettings = node.meta[LAYER_SETTINGS]
+        module = modules[str(node.target)]
+        linear = compute_module(module)
+        assert isinstance(linear, nn.Linear)
+        w_qp = get_weight_observer(settings.weight)().qparams(linear.weight.detach())
+        int8 = SCHEME_MODULES[settings.scheme].from_float(linear, w_qp)
+        if isinstance(module, Fused):
+            module.inner = int8
+        else:
+            replace_submodule(gm, str(node.target), int8)
+    return gm
+
+
+def unwrap_layer_islands(model: nn.Module) -> nn.Module:
+    """Put each island of one Linear that became a float-in, float-out INT8 module and computes nothing else (no
+    SmoothQuant ``ChannelScale`` in front, say) in its place, bare (in place; returns ``model``): it reads and
+    returns float like the Linear, answers what user code reads from one (see :mod:`fxquant.nn.schemes`), and skips
+    an island's graph walk, a large share of an LLM decode step. Islands of transformers' ``Conv1D`` stay: they give
+    its transposed weight layout."""
+    for path, island in list(model.named_modules()):
+        surface = island.meta.get(SURFACE_KEY) if isinstance(island, Island) else None
+        if isinstance(surface, Surface) and surface.layer is not None and not surface.transposed \
+                and _calls_only(island, surface.layer):
+            replace_submodule(model, path, island.get_submodule(surface.layer))  # type: ignore[arg-type]
+    return model
+
+
+def _calls_only(island: fx.GraphModule, name: str) -> bool:
+    """Whether ``island``'s graph is ``x -> <name>(x)`` and ``<name>`` is a float-in, float-out INT8 Linear."""
+    computing = [node for node in island.graph.nodes if node.op not in ("placeholder", "output")]
+    return isinstance(island.get_submodule(name), SchemeLinear) and len(computing) == 1 \
+        and computing[0].op == "call_module" and computing[0].target == name \
+        and all(arg.op == "placeholder" for arg in computing[0].all_input_nodes)
