@@ -15,8 +15,8 @@ from setuptools import Extension, setup
 
 POSIX = sys.platform != "win32"
 NATIVE_SOURCES = [f"fxquant/native/csrc/{name}.c"
-                  for name in ("module", "histogram", "elementwise", "amx_gemm", "patches", "weight_only")]
-NATIVE_HEADERS = ["fxquant/native/csrc/native.h", "fxquant/native/csrc/gemm.h"]
+                  for name in ("module", "module_rows", "histogram", "elementwise", "amx_gemm", "patches", "weight_only", "int8_rows")]
+NATIVE_HEADERS = ["fxquant/native/csrc/native.h", "fxquant/native/csrc/gemm.h", "fxquant/native/csrc/module_rows.h"]
 extensions = [Extension("fxquant.native._native", NATIVE_SOURCES, depends=NATIVE_HEADERS,
                         optional=True, libraries=["m"] if POSIX else [],
                         extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off"])]

@@ -17,6 +17,7 @@ from torch.fx.passes.shape_prop import ShapeProp
 
 from fxquant.calibration import observers_of
 from fxquant.calibration.memory_format import runs_channels_last
+from fxquant.calibration.observing import observers_kept
 from fxquant.config import SCHEMES, QuantConfig
 from fxquant.errors import CalibrationError, ConfigError, InputError, TraceError
 from fxquant.kernels.registry import get_backend
@@ -101,17 +102,13 @@ def _check_islands(model: nn.Module, gm: fx.GraphModule, example_inputs: tuple[A
     """Run ``gm`` with its INT8 islands in place: a read of a replaced layer's attribute that the island cannot
     answer fails here, at prepare, naming the island, the user's line and the fix. The observers see this run,
     so their state is put back after it: prepare calibrates nothing."""
-    saved = [(observer, copy.deepcopy(observer.__dict__)) for observer in observers_of(gm).values()]
     try:
-        _run_example(gm, example_inputs)
+        with observers_kept(gm):
+            _run_example(gm, example_inputs)
     except InputError as error:
         where = user_location(error.__cause__) if error.__cause__ is not None else "unknown location"
         raise TraceError(f"{type(model).__name__} runs with INT8 islands inside its untraceable blocks, and fails "
                          f"at {where}: {error}") from error
-    finally:
-        for observer, state in saved:
-            observer.__dict__.clear()
-            observer.__dict__.update(state)
 
 
 def _rejects(model: nn.Module, example_inputs: tuple[Any, ...]) -> bool:

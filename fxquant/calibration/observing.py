@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterator
 
 import torch
@@ -20,6 +21,19 @@ def _channels_last(prepared: nn.Module) -> bool:
 
 def observers_of(model: nn.Module) -> dict[str, Observer]:
     return {name: m for name, m in model.named_modules() if isinstance(m, Observer)}
+
+
+@contextlib.contextmanager
+def observers_kept(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` in the block without calibrating it: every observer's state is put back on exit (a run for
+    another purpose, such as checking islands or counting multiply-adds, must not become calibration data)."""
+    saved = [(observer, copy.deepcopy(observer.__dict__)) for observer in observers_of(model).values()]
+    try:
+        yield
+    finally:
+        for observer, state in saved:
+            observer.__dict__.clear()
+            observer.__dict__.update(state)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fxquant.calibration.observing import observers_kept
 from fxquant.inspect.macs import model_macs
 from fxquant.nn.fused import COMPUTE_TYPES, Fused
 from fxquant.nn.island import SURFACE_KEY, Surface
@@ -163,12 +164,16 @@ def _computed_by_a_child(path: str, seen: set[str]) -> bool:
 
 def _unreached(gm: fx.GraphModule, seen: set[str], breaks: dict[str, str]) -> list[tuple[nn.Module, LayerCoverage]]:
     """Layers no graph calls: inside an untraceable block or a leaf, lookups, or used in an unsupported way."""
-    rows = []
+    rows: list[tuple[nn.Module, LayerCoverage]] = []
     wrapped = quant_state(gm).wrapped
     for full_path, module in gm.named_modules():
         path = full_path.removeprefix(f"{WRAPPED}.") if wrapped else full_path
-        kind = layer_kind(module)
         parent = gm.get_submodule(full_path.rpartition(".")[0])
+        if isinstance(module, SchemeLinear) and path not in seen and not isinstance(parent, Fused):
+            # a dynamic or weight-only Linear standing bare where the user's module had its Linear
+            rows.append((module, LayerCoverage(path, "Linear", True, backend=module.kernel, scheme=module.scheme)))
+            continue
+        kind = layer_kind(module)
         if kind is None or path in seen or isinstance(parent, (Fused, nn.MultiheadAttention)) \
                 or _computed_by_a_child(path, seen):
             continue
@@ -200,7 +205,8 @@ def _macs(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> dict[in
 
 def _run_counting(gm: fx.GraphModule, example: tuple[Any, ...]) -> dict[int, int]:
     try:
-        return model_macs(gm, example)
+        with observers_kept(gm):  # a prepared model's observers must not take the example for calibration data
+            return model_macs(gm, example)
     except Exception as error:  # coverage must not fail on an example the model does not take
         log.warning("fxquant.coverage: multiply-adds not counted: the model does not run on the example inputs "
                     "(%s: %s)", type(error).__name__, str(error).splitlines()[0] if str(error) else "")

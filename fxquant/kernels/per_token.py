@@ -3,32 +3,55 @@
 Each row of the input (a token) is quantized at run time, symmetrically to [-127, 127] with its own scale
 ``max|x_row| / 127``; the weights are int8 with one symmetric scale per output channel; ``torch._int_mm`` sums the
 int8 products exactly in int32 (oneDNN's VNNI/AMX GEMM on x86), and ``acc * row_scale * weight_scale + bias``
-returns float. A row's outliers cost only that row precision: no calibrated range has to cover every token.
+returns float. A row's outliers cost only that row precision: no calibrated range has to cover every token. The
+quantize and the rescale are one C pass each where the loops run (``fxquant/native/csrc/elementwise.c``), the same
+bytes as the torch steps that stand in for them elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 
+from fxquant.native.per_token import int8_rows_into, quantize_rows_into, rescale_rows_into
+
+LOOP_ROWS = 8  # the VNNI loop up to this many rows, torch._int_mm beyond (docs/quantization.md "Schemes")
 _TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row: every value quantizes to 0
 
 
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 of 2-d float32 ``rows``: ``(q, scale)`` with ``rows ~= q * scale``, scale (M, 1)."""
+    """Symmetric per-row int8 of 2-d float32 ``rows``: ``(q, scale)`` with ``rows ~= q * scale``, scale (M, 1)
+    (one C pass where the loops run, the same bytes as the torch steps)."""
+    if rows.stride(-1) == 1 and rows.shape[1] > 0:
+        q = torch.empty(rows.shape, dtype=torch.int8)
+        scale = torch.empty(rows.shape[0], 1, dtype=torch.float32)
+        if quantize_rows_into(q, scale, rows):
+            return q, scale
     scale = rows.abs().amax(dim=1, keepdim=True).div_(127.0).clamp_(min=_TINY)
     return torch.div(rows, scale).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
+def _rescaled(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    out = torch.empty(acc.shape, dtype=torch.float32)
+    if acc.is_contiguous() and rescale_rows_into(out, acc, scale, weight_scale, bias):
+        return out
+    out = acc.to(torch.float32).mul_(scale).mul_(weight_scale)
+    return out if bias is None else out.add_(bias)
+
+
 def per_token_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> torch.Tensor:
+                     bias: torch.Tensor | None, *, weight_sums: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (..., in_features) float times int8 ``weight_t`` (in_features, out_features; the transposed view of a
     dense (out, in) weight, the layout ``torch._int_mm`` reads fastest) with float32 per-output ``weight_scale``,
-    plus float32 ``bias``; float in, float out."""
+    plus float32 ``bias``; float in, float out. With ``weight_sums`` (the int32 sums of each output's weights) up to
+    :data:`LOOP_ROWS` rows run on the VNNI loop, which reads the weights as they lie (``torch._int_mm`` repacks them
+    on every call); the same bytes either way."""
     in_features, out_features = weight_t.shape
     q, scale = quantize_rows(x.reshape(-1, in_features).to(torch.float32))
+    if weight_sums is not None and q.shape[0] <= LOOP_ROWS and q.is_contiguous():
+        out = torch.empty(q.shape[0], out_features, dtype=torch.float32)
+        if int8_rows_into(out, q, scale, weight_t.t(), weight_sums, weight_scale, bias):
+            return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
     # torch 2.13's CPU _int_mm returns wrong sums for a single input feature; the outer product is exact there
     acc = torch._int_mm(q, weight_t) if in_features > 1 else q.to(torch.int32) * weight_t.to(torch.int32)
-    out = acc.to(torch.float32).mul_(scale).mul_(weight_scale)
-    if bias is not None:
-        out.add_(bias)
-    return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
+    return _rescaled(acc, scale, weight_scale, bias).reshape(*x.shape[:-1], out_features).to(x.dtype)

@@ -17,7 +17,7 @@ from fxquant import native
 from fxquant.native.weight_only import weight_only_into
 
 LOOP_ROWS = 8  # the C loop up to this many rows; torch's GEMM beyond (docs/quantization.md "Schemes" measures it)
-_BLOCK = 1 << 20  # weights dequantized per GEMM call above LOOP_ROWS: a 4 MB scratch buffer, cache-sized
+BLOCK = 1 << 20  # weights dequantized per GEMM call above LOOP_ROWS: a 4 MB scratch buffer, cache-sized
 
 
 def _dequantized(weight: torch.Tensor, scale: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -35,7 +35,7 @@ def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tenso
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
     if rows.shape[0] > LOOP_ROWS or not weight_only_into(out, rows, weight, scale, bias):
-        step = max(1, _BLOCK // in_features)
+        step = max(1, BLOCK // in_features)
         for start in range(0, out_features, step):
             stop = min(start + step, out_features)
             part = F.linear(rows, _dequantized(weight, scale, start, stop),

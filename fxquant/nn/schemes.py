@@ -59,10 +59,16 @@ class DynamicInt8Linear(SchemeLinear):
     """W8A8 with per-token activation scales computed at run time (``QuantConfig(scheme="dynamic")``)."""
 
     scheme = "dynamic"
-    kernel = "torch._int_mm"
+    kernel = "torch._int_mm, VNNI rows"
+    weight_sums: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, w_qp, bias)
+        # for the few-row VNNI loop (kernels.per_token); derived from qweight, so not part of the state dict
+        self.register_buffer("weight_sums", self.qweight.sum(dim=1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return per_token_linear(x, self.qweight.t(), self.weight_scale, self.bias)
+        return per_token_linear(x, self.qweight.t(), self.weight_scale, self.bias, weight_sums=self.weight_sums)
 
 
 class WeightOnlyInt8Linear(SchemeLinear):

@@ -9,6 +9,7 @@
  * Arguments arrive checked (module.c); every function here runs without the GIL.
  */
 #include <math.h>
+#include <float.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -250,4 +251,36 @@ void fxq_copy_rows(const ByteRows *src_rows, const ByteRows *dst_rows, int64_t r
 #endif
         for (int64_t r = 0; r < rows; r++)
             memcpy(dst + r * ds, src + r * ss, (size_t)width);
+}
+
+/* Symmetric per-row int8 (dynamic per-token activations): scale[m] = max(max_k |x[m, k]| / 127, FLT_MIN) and
+ * q[m, k] = clamp(round(x[m, k] / scale[m]), -127, 127), as fxquant.kernels.per_token.quantize_rows computes them. */
+VECTOR_CLONES void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride, int8_t *q,
+                                        float *scale) {
+    for (int64_t m = 0; m < rows; m++) {
+        const float *row = x + m * x_stride;
+        float amax = 0.0f;
+        for (int64_t k = 0; k < width; k++) {
+            const float a = row[k] < 0.0f ? -row[k] : row[k];
+            amax = a > amax ? a : amax;
+        }
+        const float s = amax / 127.0f;
+        scale[m] = s > FLT_MIN ? s : FLT_MIN;
+        for (int64_t k = 0; k < width; k++) q[m * width + k] = (int8_t)quantized(row[k], scale[m], -127.0f, 127.0f);
+    }
+}
+
+/* out[m, n] = float(acc[m, n]) * row_scale[m] * col_scale[n] (+ bias[n]), rounded after each operation as torch's
+ * mul_/mul_/add_ round. */
+VECTOR_CLONES void fxq_rescale_rows(const int32_t *acc, int64_t rows, int64_t width, const float *row_scale,
+                                    const float *col_scale, const float *bias, float *out) {
+    for (int64_t m = 0; m < rows; m++) {
+        const int32_t *a = acc + m * width;
+        float *o = out + m * width;
+        const float rs = row_scale[m];
+        if (bias)
+            for (int64_t n = 0; n < width; n++) o[n] = (float)a[n] * rs * col_scale[n] + bias[n];
+        else
+            for (int64_t n = 0; n < width; n++) o[n] = (float)a[n] * rs * col_scale[n];
+    }
 }

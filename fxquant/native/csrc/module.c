@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "native.h"
+#include "module_rows.h"
 
 int fxq_isa_cap = ISA_AMX;
 
@@ -296,33 +297,6 @@ static PyObject *patches_u8(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* weight_only_f32((x_ptr, rows, x_stride), (w_ptr, scale_ptr, bias_ptr, in_features, out_features),
- *                 (out_ptr, out_stride)) -> None
- *
- * Strides in floats; the weights dense (out_features, in_features) int8; bias_ptr 0 for no bias. */
-static PyObject *weight_only_f32(PyObject *self, PyObject *args) {
-    unsigned long long x_addr, w_addr, scale_addr, bias_addr, out_addr;
-    WeightOnlyRows p;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "(KLL)(KKKLL)(KL)", &x_addr, &p.rows, &p.x_stride, &w_addr, &scale_addr, &bias_addr,
-                          &p.in_features, &p.out_features, &out_addr, &p.out_stride))
-        return NULL;
-    if (p.rows < 0 || p.in_features < 1 || p.out_features < 1 || p.x_stride < p.in_features ||
-        p.out_stride < p.out_features) {
-        PyErr_SetString(PyExc_ValueError, "weight_only_f32: bad shape or stride");
-        return NULL;
-    }
-    p.x = PTR(const float, x_addr);
-    p.w = PTR(const int8_t, w_addr);
-    p.scale = PTR(const float, scale_addr);
-    p.bias = bias_addr ? PTR(const float, bias_addr) : NULL;
-    p.out = PTR(float, out_addr);
-    Py_BEGIN_ALLOW_THREADS
-    fxq_weight_only_f32(&p);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"set_isa_cap", set_isa_cap, METH_VARARGS, "Cap the instruction sets the loops use (FXQUANT_ISA)."},
     {"scan_f32", scan_f32, METH_VARARGS, "Min, max and grid counts of dense float32 values in one read."},
@@ -334,7 +308,10 @@ static PyMethodDef methods[] = {
     {"linear_rows_u8", linear_rows_u8, METH_VARARGS, "A Linear on a few rows as fbgemm or qnnpack computes it."},
     {"copy_rows", copy_rows, METH_VARARGS, "Copy rows of bytes between two strided 2-d layouts."},
     {"patches_u8", patches_u8, METH_VARARGS, "A kernel == stride transposed conv as fbgemm's Linear, in place."},
-    {"weight_only_f32", weight_only_f32, METH_VARARGS, "A few-row float32 Linear on int8 weights (W8A16)."},
+    {"quantize_rows_s8", fxq_py_quantize_rows_s8, METH_VARARGS, "Symmetric per-row int8 of float32 rows (per token)."},
+    {"rescale_rows", fxq_py_rescale_rows, METH_VARARGS, "int32 sums -> float32 with per-row and per-column scales."},
+    {"int8_rows_f32", fxq_py_int8_rows_f32, METH_VARARGS, "A few-row per-token INT8 Linear on AVX512-VNNI."},
+    {"weight_only_f32", fxq_py_weight_only_f32, METH_VARARGS, "A few-row float32 Linear on int8 weights (W8A16)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -3,10 +3,12 @@
  * module.c parses and checks every entry point's arguments into the structs below, and holds the GIL; the kernel
  * files compute on checked arguments without Python (and with the GIL released):
  *   histogram.c   scan_f32, the histogram observers' counting (fxquant/observers/counting.py)
- *   elementwise.c quantize_f32, mean_u8, mul_u8, lookup_u8, copy_rows (fxquant/native/elementwise.py)
+ *   elementwise.c quantize_f32, mean_u8, mul_u8, lookup_u8, copy_rows, quantize_rows_s8, rescale_rows
+ *                 (fxquant/native/elementwise.py, fxquant/native/per_token.py)
  *   amx_gemm.c    conv_u8, linear_rows_u8: int8 GEMMs on AMX and AVX512-VNNI (fxquant/native/amx_gemm.py)
  *   patches.c     patches_u8: a kernel == stride transposed conv on AVX512-VNNI and AMX (the same wrappers)
  *   weight_only.c weight_only_f32: a few-row float32 Linear on int8 weights (fxquant/native/weight_only.py)
+ *   int8_rows.c   int8_rows_f32: a few-row per-token INT8 Linear on AVX512-VNNI (fxquant/native/per_token.py)
  * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share)
  * Each struct is one Python tuple of the same fields in the same order (fxquant/native/_native.pyi), and each kernel
  * gives the bytes of the torch or engine path it replaces (the tests compare them with torch.equal). setup.py
@@ -37,6 +39,24 @@ typedef struct {
 
 FXQ_INTERNAL void fxq_weight_only_f32(const WeightOnlyRows *p);
 
+/* ---- int8_rows.c ---- */
+
+/* rows x in_features dense int8 rows with a float32 scale each; out_features x in_features dense int8 weights with
+ * their int32 row sums, a float32 scale and optional bias (NULL) per output; rows x out_features dense float32. */
+typedef struct {
+    const int8_t *q;
+    const float *row_scale;
+    int64_t rows;
+    const int8_t *w;
+    const int32_t *weight_sums;
+    const float *col_scale, *bias;
+    int64_t in_features, out_features;
+    float *out;
+} Int8Rows;
+
+/* Only where fxq_vnni_usable(). */
+FXQ_INTERNAL void fxq_int8_rows_f32(const Int8Rows *p);
+
 #endif
 
 /* The hot element-wise loops get AVX2 and AVX-512 clones, one chosen at load for this CPU (the default clone runs
@@ -60,6 +80,24 @@ typedef struct {
 } WeightOnlyRows;
 
 FXQ_INTERNAL void fxq_weight_only_f32(const WeightOnlyRows *p);
+
+/* ---- int8_rows.c ---- */
+
+/* rows x in_features dense int8 rows with a float32 scale each; out_features x in_features dense int8 weights with
+ * their int32 row sums, a float32 scale and optional bias (NULL) per output; rows x out_features dense float32. */
+typedef struct {
+    const int8_t *q;
+    const float *row_scale;
+    int64_t rows;
+    const int8_t *w;
+    const int32_t *weight_sums;
+    const float *col_scale, *bias;
+    int64_t in_features, out_features;
+    float *out;
+} Int8Rows;
+
+/* Only where fxq_vnni_usable(). */
+FXQ_INTERNAL void fxq_int8_rows_f32(const Int8Rows *p);
 
 #endif
 
@@ -137,6 +175,12 @@ FXQ_INTERNAL void fxq_mul_u8(const int64_t shape[3], const Bytes3 *a, const Byte
                              const MulRequant *requant);
 FXQ_INTERNAL void fxq_lookup_u8(const uint8_t *src, uint8_t *dst, int64_t n, const uint8_t *table);
 FXQ_INTERNAL void fxq_copy_rows(const ByteRows *src, const ByteRows *dst, int64_t rows, int64_t width);
+/* Dynamic per-token INT8: rows x width float32 (x_stride apart) -> dense int8 and a float32 scale per row. */
+FXQ_INTERNAL void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride, int8_t *q,
+                                       float *scale);
+/* Dense int32 sums -> dense float32: times a per-row and a per-column scale, plus an optional bias (NULL). */
+FXQ_INTERNAL void fxq_rescale_rows(const int32_t *acc, int64_t rows, int64_t width, const float *row_scale,
+                                   const float *col_scale, const float *bias, float *out);
 
 /* ---- amx_gemm.c and patches.c ---- */
 
@@ -229,5 +273,23 @@ typedef struct {
 } WeightOnlyRows;
 
 FXQ_INTERNAL void fxq_weight_only_f32(const WeightOnlyRows *p);
+
+/* ---- int8_rows.c ---- */
+
+/* rows x in_features dense int8 rows with a float32 scale each; out_features x in_features dense int8 weights with
+ * their int32 row sums, a float32 scale and optional bias (NULL) per output; rows x out_features dense float32. */
+typedef struct {
+    const int8_t *q;
+    const float *row_scale;
+    int64_t rows;
+    const int8_t *w;
+    const int32_t *weight_sums;
+    const float *col_scale, *bias;
+    int64_t in_features, out_features;
+    float *out;
+} Int8Rows;
+
+/* Only where fxq_vnni_usable(). */
+FXQ_INTERNAL void fxq_int8_rows_f32(const Int8Rows *p);
 
 #endif

@@ -1,0 +1,101 @@
+/* fxquant.native._native: the entry points of the row loops an LLM's Linears use (weight_only.c, int8_rows.c and
+ * elementwise.c's per-token quantize and rescale), kept apart from module.c for size; module.c's method table lists
+ * them (module_rows.h). The same conventions as module.c: tuples per struct, checked arguments, the GIL released. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+
+#include "module_rows.h"
+#include "native.h"
+
+#define PTR(type, addr) ((type *)(uintptr_t)(addr))
+
+/* quantize_rows_s8((x_ptr, rows, width, x_stride), q_ptr, scale_ptr) -> None; x_stride in floats. */
+PyObject *fxq_py_quantize_rows_s8(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, q_addr, scale_addr;
+    int64_t rows, width, stride;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KLLL)KK", &x_addr, &rows, &width, &stride, &q_addr, &scale_addr))
+        return NULL;
+    if (rows < 0 || width < 1 || stride < width) {
+        PyErr_SetString(PyExc_ValueError, "quantize_rows_s8: bad shape or stride");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fxq_quantize_rows_s8(PTR(const float, x_addr), rows, width, stride, PTR(int8_t, q_addr), PTR(float, scale_addr));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* rescale_rows((acc_ptr, rows, width), (row_scale_ptr, col_scale_ptr, bias_ptr), out_ptr) -> None; bias_ptr 0: none */
+PyObject *fxq_py_rescale_rows(PyObject *self, PyObject *args) {
+    unsigned long long acc_addr, rs_addr, cs_addr, bias_addr, out_addr;
+    int64_t rows, width;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KLL)(KKK)K", &acc_addr, &rows, &width, &rs_addr, &cs_addr, &bias_addr, &out_addr))
+        return NULL;
+    if (rows < 0 || width < 1) {
+        PyErr_SetString(PyExc_ValueError, "rescale_rows: bad shape");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fxq_rescale_rows(PTR(const int32_t, acc_addr), rows, width, PTR(const float, rs_addr), PTR(const float, cs_addr),
+                     bias_addr ? PTR(const float, bias_addr) : NULL, PTR(float, out_addr));
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* int8_rows_f32((q_ptr, row_scale_ptr, rows), (w, weight_sums, col_scale, bias, in_features, out_features),
+ *               out_ptr) -> bool; everything dense, bias 0 for none. False (nothing written) without VNNI. */
+PyObject *fxq_py_int8_rows_f32(PyObject *self, PyObject *args) {
+    unsigned long long q_addr, rs_addr, w_addr, sums_addr, cs_addr, bias_addr, out_addr;
+    Int8Rows p;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KKL)(KKKKLL)K", &q_addr, &rs_addr, &p.rows, &w_addr, &sums_addr, &cs_addr,
+                          &bias_addr, &p.in_features, &p.out_features, &out_addr))
+        return NULL;
+    if (p.rows < 0 || p.in_features < 1 || p.out_features < 1) {
+        PyErr_SetString(PyExc_ValueError, "int8_rows_f32: bad shape");
+        return NULL;
+    }
+    if (!fxq_vnni_usable())
+        Py_RETURN_FALSE;
+    p.q = PTR(const int8_t, q_addr);
+    p.row_scale = PTR(const float, rs_addr);
+    p.w = PTR(const int8_t, w_addr);
+    p.weight_sums = PTR(const int32_t, sums_addr);
+    p.col_scale = PTR(const float, cs_addr);
+    p.bias = bias_addr ? PTR(const float, bias_addr) : NULL;
+    p.out = PTR(float, out_addr);
+    Py_BEGIN_ALLOW_THREADS
+    fxq_int8_rows_f32(&p);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_TRUE;
+}
+
+/* weight_only_f32((x_ptr, rows, x_stride), (w_ptr, scale_ptr, bias_ptr, in_features, out_features),
+ *                 (out_ptr, out_stride)) -> None
+ *
+ * Strides in floats; the weights dense (out_features, in_features) int8; bias_ptr 0 for no bias. */
+PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, w_addr, scale_addr, bias_addr, out_addr;
+    WeightOnlyRows p;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KLL)(KKKLL)(KL)", &x_addr, &p.rows, &p.x_stride, &w_addr, &scale_addr, &bias_addr,
+                          &p.in_features, &p.out_features, &out_addr, &p.out_stride))
+        return NULL;
+    if (p.rows < 0 || p.in_features < 1 || p.out_features < 1 || p.x_stride < p.in_features ||
+        p.out_stride < p.out_features) {
+        PyErr_SetString(PyExc_ValueError, "weight_only_f32: bad shape or stride");
+        return NULL;
+    }
+    p.x = PTR(const float, x_addr);
+    p.w = PTR(const int8_t, w_addr);
+    p.scale = PTR(const float, scale_addr);
+    p.bias = bias_addr ? PTR(const float, bias_addr) : NULL;
+    p.out = PTR(float, out_addr);
+    Py_BEGIN_ALLOW_THREADS
+    fxq_weight_only_f32(&p);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
