@@ -1,8 +1,10 @@
-"""Weight-only INT8 Linear (W8A16): int8 weights with one float scale per output channel, float activations.
+"""Weight-only INT8 Linear (W8A16): int8 weights with float scales, float activations.
 
-``out = x @ (weight * scale[:, None]).T + bias``. A decode step of an LLM multiplies a few rows by every weight
-once, so it is bound by the bytes of weight read: the C loop (``fxquant/native/csrc/weight_only.c``) reads the int8
-weights and widens them in registers, a quarter of a float32 Linear's traffic. Above :data:`LOOP_ROWS` rows (a
+``out = x @ (weight * scale).T + bias``, one scale per group of :data:`GROUP` inputs of each output
+(:class:`~fxquant.nn.schemes.WeightOnlyInt8Linear` quantizes so; the kernels take one scale per output too). A
+decode step of an LLM multiplies a few rows by every weight once, so it is bound by the bytes of weight read: the
+C loop (``fxquant/native/csrc/weight_only.c``) reads the int8 weights and widens them in registers, a quarter of a
+float32 Linear's traffic. Above :data:`LOOP_ROWS` rows (a
 prefill) the same weights are dequantized a block of output channels at a time into a reused scratch buffer and
 multiplied by torch's float GEMM, which is compute-bound there; no float copy of the weights is kept between calls.
 Inputs of another float dtype are computed in float32 and returned in their dtype.
@@ -16,19 +18,25 @@ import torch.nn.functional as F
 from fxquant import native
 from fxquant.native.weight_only import weight_only_into
 
+GROUP = 64  # inputs per weight scale (llama.cpp's Q8_0 takes 32; docs/quantization.md "Schemes" measures both)
 LOOP_ROWS = 8  # the C loop up to this many rows; torch's GEMM beyond (docs/quantization.md "Schemes" measures it)
 BLOCK = 1 << 20  # weights dequantized per GEMM call above LOOP_ROWS: a 4 MB scratch buffer, cache-sized
 
 
 def _dequantized(weight: torch.Tensor, scale: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    buffer = native.scratch.scratch("weight_only", (stop - start) * weight.shape[1], torch.float32)
-    return torch.mul(weight[start:stop], scale[start:stop, None], out=buffer.view(stop - start, weight.shape[1]))
+    rows, in_features = stop - start, weight.shape[1]
+    groups = scale.shape[1] if scale.dim() == 2 else 1
+    buffer = native.scratch.scratch("weight_only", rows * in_features, torch.float32)
+    torch.mul(weight[start:stop].view(rows, groups, in_features // groups), scale[start:stop].view(rows, groups, 1),
+              out=buffer.view(rows, groups, in_features // groups))
+    return buffer.view(rows, in_features)
 
 
 def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` (..., in_features) float times dense int8 ``weight`` (out_features, in_features) scaled per output
-    channel by float32 ``scale``, plus float32 ``bias``; float in, float out."""
+    """``x`` (..., in_features) float times dense int8 ``weight`` (out_features, in_features), each weight times its
+    float32 ``scale`` (one per output channel, 1-d, or per group of inputs of each output, (out_features, groups)),
+    plus float32 ``bias``; float in, float out."""
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features).to(torch.float32)
     if rows.stride(-1) != 1:

@@ -31,7 +31,7 @@ _PatchOutput = tuple[int, _Triple]  # data, strides (bytes)
 
 # weight_only.c: the three parts of WeightOnlyRows
 _FloatRows = tuple[int, int, int]  # x, rows, x_stride (floats)
-_Int8Weights = tuple[int, int, int, int, int]  # w, scale, bias (0: none), in_features, out_features
+_Int8Weights = tuple[int, int, int, int, int, int]  # w, scale, bias (0: none), in_features, out_features, group
 _FloatOut = tuple[int, int]  # out, out_stride (floats)
 
 def set_isa_cap(level: int, /) -> None: ...

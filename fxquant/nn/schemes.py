@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from fxquant.kernels.per_token import per_token_linear
-from fxquant.kernels.weight_only import weight_only_linear
+from fxquant.kernels.weight_only import GROUP, weight_only_linear
+from fxquant.observers import get_weight_observer
 from fxquant.qparams import QParams, quantize
 
 
@@ -40,11 +41,13 @@ class SchemeLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @classmethod
-    def from_float(cls, linear: nn.Linear, w_qp: QParams) -> SchemeLinear:
-        return cls(linear.weight, w_qp, linear.bias)
+    def from_float(cls, linear: nn.Linear, weight: str) -> SchemeLinear:
+        """The INT8 layer of ``linear`` with weights quantized by ``weight`` (``QuantConfig.weight``)."""
+        return cls(linear.weight, get_weight_observer(weight)().qparams(linear.weight.detach()), linear.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
-        return self.qweight.float() * self.weight_scale[:, None]
+        scale = self.weight_scale.view(self.out_features, -1, 1)  # one scale per output, or per group of inputs
+        return (self.qweight.view(self.out_features, scale.shape[1], -1).float() * scale).view_as(self.qweight)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -72,10 +75,25 @@ class DynamicInt8Linear(SchemeLinear):
 
 
 class WeightOnlyInt8Linear(SchemeLinear):
-    """INT8 weights, float activations (``QuantConfig(scheme="weight_only")``, W8A16)."""
+    """INT8 weights, float activations (``QuantConfig(scheme="weight_only")``, W8A16). With ``weight="per_channel"``
+    each output's weights have one scale per :data:`~fxquant.kernels.weight_only.GROUP` inputs (where that many
+    divide them; else one per output): the GEMM is float, so finer scales cost only their bytes."""
 
     scheme = "weight_only"
     kernel = "weight-only loop"
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, weight: str) -> SchemeLinear:
+        out_features, in_features = linear.weight.shape
+        if weight != "per_channel" or in_features % GROUP:
+            return super().from_float(linear, weight)
+        groups = linear.weight.detach().reshape(out_features * in_features // GROUP, GROUP)
+        grouped = get_weight_observer("per_channel")().qparams(groups)
+        module = cls(groups, grouped, linear.bias)  # quantized as rows of GROUP inputs, then given the Linear's shape
+        module.out_features, module.in_features = out_features, in_features
+        module.qweight = module.qweight.view(out_features, in_features)
+        module.weight_scale = module.weight_scale.view(out_features, in_features // GROUP)
+        return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return weight_only_linear(x, self.qweight, self.weight_scale, self.bias)

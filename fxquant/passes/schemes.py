@@ -20,7 +20,6 @@ from fxquant.config import LayerSettings
 from fxquant.nn.fused import Fused, compute_module
 from fxquant.nn.island import SURFACE_KEY, Island, Surface
 from fxquant.nn.schemes import SCHEME_MODULES, SchemeLinear
-from fxquant.observers import get_weight_observer
 from fxquant.passes._graph import modules_of, nodes_of, replace_submodule
 from fxquant.passes.meta import LAYER_SETTINGS
 
@@ -56,8 +55,7 @@ def lower_schemes(gm: fx.GraphModule) -> fx.GraphModule:
         module = modules[str(node.target)]
         linear = compute_module(module)
         assert isinstance(linear, nn.Linear)
-        w_qp = get_weight_observer(settings.weight)().qparams(linear.weight.detach())
-        int8 = SCHEME_MODULES[settings.scheme].from_float(linear, w_qp)
+        int8 = SCHEME_MODULES[settings.scheme].from_float(linear, settings.weight)
         if isinstance(module, Fused):
             module.inner = int8
         else:

@@ -210,9 +210,11 @@ def _weight_only_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     (K - 1) U sum|x w| (Higham's gamma bound to first order). Scaling the sum (or each dequantized weight, on the
     GEMM path) and adding the bias round twice more: (K + 1) U (sum|x w| scale + |bias|) bounds all of it; the
     tolerance takes twice that, (K + 1) * 2**-23, for the second-order terms."""
-    x64, w64, s64 = x.double(), weight.double(), scale.double()
-    out = x64 @ (w64 * s64[:, None]).t()
-    magnitude = (x64.abs() @ w64.abs().t()) * s64
+    x64, w64 = x.double(), weight.double()
+    groups = scale.shape[1] if scale.dim() == 2 else 1  # one scale per output, or per group of inputs of each
+    s64 = scale.double().reshape(weight.shape[0], groups).repeat_interleave(weight.shape[1] // groups, dim=1)
+    out = x64 @ (w64 * s64).t()
+    magnitude = x64.abs() @ (w64 * s64).abs().t()  # the scaled weights round once more: within the factor 2 below
     if bias is not None:
         out = out + bias.double()
         magnitude = magnitude + bias.double().abs()
@@ -264,6 +266,23 @@ def test_weight_only_loop(loop_path: str, rows: int, in_features: int, out_featu
     with loop_threads("weight_only"):
         assert weight_only_into(out, x, weight, scale, bias), "the C loop did not run"
     _assert_close(out, x, weight, scale, bias)
+
+
+@pytest.mark.parametrize(("rows", "in_features", "out_features", "group"),
+                         [(1, 128, 24, 64), (3, 192, 17, 16), (LOOP_ROWS, 1536, 40, 64), (2, 64, 9, 64)])
+def test_weight_only_loop_with_a_scale_per_group(loop_path: str, rows: int, in_features: int, out_features: int,
+                                                 group: int) -> None:
+    """WeightOnlyInt8Linear's layout: one scale per ``group`` inputs of each output, (out_features, groups)."""
+    gen = torch.Generator().manual_seed(in_features + group)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight, _ = _int8_weights(out_features, in_features, gen)
+    scale = torch.rand(out_features, in_features // group, generator=gen) * 0.02 + 1e-3
+    out = torch.full((rows, out_features), float("nan"))
+    with loop_threads("weight_only"):
+        assert weight_only_into(out, x, weight, scale, None), "the C loop did not run"
+    _assert_close(out, x, weight, scale, None)
+    gemm = weight_only_linear(x.repeat(LOOP_ROWS + 1, 1), weight, scale, None)[:rows]  # above LOOP_ROWS: the GEMM
+    _assert_close(gemm, x, weight, scale, None)
 
 
 def test_weight_only_loop_strided_rows_and_outputs(loop_path: str) -> None:

@@ -63,8 +63,11 @@ HALF_STEP = 0.5 + 2.0**-15
 
 
 def _weight_error(weight: torch.Tensor, float_weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """|dequantized - float| in steps of each output channel's scale, in float64."""
-    return (weight.double() - float_weight.double()).abs() / scale[:, None].double()
+    """|dequantized - float| in steps of each weight's scale (one per output channel, or per group of inputs of
+    each output: (out, groups)), in float64."""
+    steps = scale.double().repeat_interleave(weight.shape[1] // scale.shape[1], dim=1) if scale.dim() == 2 \
+        else scale[:, None].double()
+    return (weight.double() - float_weight.double()).abs() / steps
 
 
 def _mlp() -> nn.Sequential:

@@ -73,19 +73,21 @@ PyObject *fxq_py_int8_rows_f32(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* weight_only_f32((x_ptr, rows, x_stride), (w_ptr, scale_ptr, bias_ptr, in_features, out_features),
+/* weight_only_f32((x_ptr, rows, x_stride), (w_ptr, scale_ptr, bias_ptr, in_features, out_features, group),
  *                 (out_ptr, out_stride)) -> None
  *
- * Strides in floats; the weights dense (out_features, in_features) int8; bias_ptr 0 for no bias. */
+ * Strides in floats; the weights dense (out_features, in_features) int8, their scales dense (out_features,
+ * in_features / group); bias_ptr 0 for no bias. */
 PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, scale_addr, bias_addr, out_addr;
     WeightOnlyRows p;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KLL)(KKKLL)(KL)", &x_addr, &p.rows, &p.x_stride, &w_addr, &scale_addr, &bias_addr,
-                          &p.in_features, &p.out_features, &out_addr, &p.out_stride))
+    if (!PyArg_ParseTuple(args, "(KLL)(KKKLLL)(KL)", &x_addr, &p.rows, &p.x_stride, &w_addr, &scale_addr,
+                          &bias_addr, &p.in_features, &p.out_features, &p.group, &out_addr, &p.out_stride))
         return NULL;
     if (p.rows < 0 || p.in_features < 1 || p.out_features < 1 || p.x_stride < p.in_features ||
-        p.out_stride < p.out_features) {
+        p.out_stride < p.out_features || p.group < 1 || p.in_features % p.group ||
+        (p.group != p.in_features && p.group % 16)) {
         PyErr_SetString(PyExc_ValueError, "weight_only_f32: bad shape or stride");
         return NULL;
     }

@@ -25,14 +25,16 @@
 #define FXQ_INTERNAL
 /* ---- weight_only.c ---- */
 
-/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense), a
- * float32 scale and optional bias (NULL) per output, rows x out_features float32 outputs (out_stride apart). */
+/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense) with a
+ * dense float32 scale per group of `group` inputs of each output (out_features x in_features / group; group divides
+ * in_features and is a multiple of 16, or equals in_features), an optional bias (NULL) per output, rows x
+ * out_features float32 outputs (out_stride apart). */
 typedef struct {
     const float *x;
     int64_t rows, x_stride;
     const int8_t *w;
     const float *scale, *bias;
-    int64_t in_features, out_features;
+    int64_t in_features, out_features, group;
     float *out;
     int64_t out_stride;
 } WeightOnlyRows;
@@ -67,14 +69,16 @@ FXQ_INTERNAL void fxq_int8_rows_f32(const Int8Rows *p);
 #define VECTOR_CLONES
 /* ---- weight_only.c ---- */
 
-/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense), a
- * float32 scale and optional bias (NULL) per output, rows x out_features float32 outputs (out_stride apart). */
+/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense) with a
+ * dense float32 scale per group of `group` inputs of each output (out_features x in_features / group; group divides
+ * in_features and is a multiple of 16, or equals in_features), an optional bias (NULL) per output, rows x
+ * out_features float32 outputs (out_stride apart). */
 typedef struct {
     const float *x;
     int64_t rows, x_stride;
     const int8_t *w;
     const float *scale, *bias;
-    int64_t in_features, out_features;
+    int64_t in_features, out_features, group;
     float *out;
     int64_t out_stride;
 } WeightOnlyRows;
@@ -260,14 +264,16 @@ FXQ_INTERNAL void fxq_patches_u8(const PatchInput *x, const PatchWeights *weight
 
 /* ---- weight_only.c ---- */
 
-/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense), a
- * float32 scale and optional bias (NULL) per output, rows x out_features float32 outputs (out_stride apart). */
+/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense) with a
+ * dense float32 scale per group of `group` inputs of each output (out_features x in_features / group; group divides
+ * in_features and is a multiple of 16, or equals in_features), an optional bias (NULL) per output, rows x
+ * out_features float32 outputs (out_stride apart). */
 typedef struct {
     const float *x;
     int64_t rows, x_stride;
     const int8_t *w;
     const float *scale, *bias;
-    int64_t in_features, out_features;
+    int64_t in_features, out_features, group;
     float *out;
     int64_t out_stride;
 } WeightOnlyRows;

@@ -1,6 +1,7 @@
 /* weight_only_f32: a Linear on a few float32 rows with int8 weights (W8A16, "weight-only"), for LLM decoding.
  *
- * out[m, n] = sum_k x[m, k] * float(w[n, k]) * scale[n] + bias[n]: the weights stay int8 in memory and are widened
+ * out[m, n] = sum_k x[m, k] * (float(w[n, k]) * scale[n, k / group]) + bias[n], one scale per group of inputs of
+ * each output (group = in_features: one per output channel): the weights stay int8 in memory and are widened
  * to float32 in registers, so a decode step (one row per sequence) reads a quarter of the bytes a float32 Linear
  * reads, which is what bounds it. Eight weight rows at a time, each read once per pair of input rows;
  * the sums run in float32 with fused multiply-adds in 16 lanes (AVX-512) or 8 (AVX2), so they round differently from
@@ -15,7 +16,12 @@
 #define COL_BLOCK 8 /* weight rows (outputs) per step: 8 independent sums per input row hide the FMA latency */
 
 static void finish(const WeightOnlyRows *p, const int64_t m, const int64_t n, const float sum) {
-    p->out[m * p->out_stride + n] = sum * p->scale[n] + (p->bias ? p->bias[n] : 0.0f);
+    p->out[m * p->out_stride + n] = sum + (p->bias ? p->bias[n] : 0.0f);
+}
+
+/* The scale of weight (n, k). */
+static inline float scale_at(const WeightOnlyRows *p, const int64_t n, const int64_t k) {
+    return p->scale[n * (p->in_features / p->group) + k / p->group];
 }
 
 /* Any x86-64 (or other) CPU: the same sums, one lane. */
@@ -26,7 +32,7 @@ static void rows_scalar(const WeightOnlyRows *p, const int64_t m0, const int row
             const float *x = p->x + (m0 + r) * p->x_stride;
             float sum = 0.0f;
             for (int64_t k = 0; k < p->in_features; k++)
-                sum += x[k] * (float)w[k];
+                sum += x[k] * ((float)w[k] * scale_at(p, n, k));
             finish(p, m0 + r, n, sum);
         }
     }
@@ -61,7 +67,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inlin
             for (int c = 0; c < COL_BLOCK; c++)
                 _mm_prefetch((const char *)(w[c] + COL_BLOCK * K + k), _MM_HINT_T0);
         for (int c = 0; c < COL_BLOCK; c++) {
-            const __m512 wc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w[c] + k)));
+            const __m512 wc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(
+                mask, w[c] + k))), _mm512_set1_ps(scale_at(p, n0 + c < p->out_features ? n0 + c : p->out_features - 1, k)));
             for (int r = 0; r < rows; r++)
                 acc[r][c] = _mm512_fmadd_ps(x[r], wc, acc[r][c]);
         }
@@ -104,7 +111,9 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block_avx2
             for (int c = 0; c < COL_BLOCK; c++)
                 _mm_prefetch((const char *)(w[c] + COL_BLOCK * K + k), _MM_HINT_T0);
         for (int c = 0; c < COL_BLOCK; c++) {
-            const __m256 wc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w[c] + k))));
+            const __m256 wc = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w[c] + k)))),
+                _mm256_set1_ps(scale_at(p, n0 + c < p->out_features ? n0 + c : p->out_features - 1, k)));
             for (int r = 0; r < rows; r++)
                 acc[r][c] = _mm256_fmadd_ps(x[r], wc, acc[r][c]);
         }
@@ -114,7 +123,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block_avx2
             const float *x = p->x + (m0 + r) * p->x_stride;
             float sum = sum8(acc[r][c]);
             for (int64_t k = full; k < K; k++)
-                sum += x[k] * (float)w[c][k];
+                sum += x[k] * ((float)w[c][k] * scale_at(p, n0 + c, k));
             finish(p, m0 + r, n0 + c, sum);
         }
 }
