@@ -32,6 +32,7 @@ class SchemeLinear(nn.Module):
     qweight: torch.Tensor
     weight_scale: torch.Tensor
     bias: torch.Tensor | None
+    input_scale: torch.Tensor | None  # SmoothQuant's 1/s per input channel, taken over from a ChannelScale in front
 
     def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -39,6 +40,11 @@ class SchemeLinear(nn.Module):
         self.register_buffer("qweight", quantize(weight.detach(), w_qp).contiguous())
         self.register_buffer("weight_scale", w_qp.scale.float().expand(self.out_features).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.register_buffer("input_scale", None)
+
+    def scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """The input the int8 weight multiplies: ``x`` times :attr:`input_scale` where SmoothQuant set one."""
+        return x if self.input_scale is None else x * self.input_scale
 
     @classmethod
     def from_float(cls, linear: nn.Linear, weight: str) -> SchemeLinear:
@@ -46,12 +52,15 @@ class SchemeLinear(nn.Module):
         return cls(linear.weight, get_weight_observer(weight)().qparams(linear.weight.detach()), linear.bias)
 
     def dequantized_weight(self) -> torch.Tensor:
+        """The float weight the layer applies to its (unscaled) input."""
         scale = self.weight_scale.view(self.out_features, -1, 1)  # one scale per output, or per group of inputs
-        return (self.qweight.view(self.out_features, scale.shape[1], -1).float() * scale).view_as(self.qweight)
+        weight = (self.qweight.view(self.out_features, scale.shape[1], -1).float() * scale).view_as(self.qweight)
+        return weight if self.input_scale is None else weight * self.input_scale
 
     @property
     def weight(self) -> torch.Tensor:
-        """The float weight this layer computes with (dequantized on each access; none is kept)."""
+        """The float weight this layer computes with, as the Linear it replaced held it (made on each access; none is
+        kept)."""
         return self.dequantized_weight()
 
     def extra_repr(self) -> str:
@@ -71,7 +80,8 @@ class DynamicInt8Linear(SchemeLinear):
         self.register_buffer("weight_sums", self.qweight.sum(dim=1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return per_token_linear(x, self.qweight.t(), self.weight_scale, self.bias, weight_sums=self.weight_sums)
+        return per_token_linear(self.scaled(x), self.qweight.t(), self.weight_scale, self.bias,
+                                weight_sums=self.weight_sums)
 
 
 class WeightOnlyInt8Linear(SchemeLinear):
@@ -96,7 +106,7 @@ class WeightOnlyInt8Linear(SchemeLinear):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_only_linear(x, self.qweight, self.weight_scale, self.bias)
+        return weight_only_linear(self.scaled(x), self.qweight, self.weight_scale, self.bias)
 
 
 SCHEME_MODULES: dict[str, type[SchemeLinear]] = {"dynamic": DynamicInt8Linear,

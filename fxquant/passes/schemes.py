@@ -22,6 +22,7 @@ from fxquant.nn.island import SURFACE_KEY, Island, Surface
 from fxquant.nn.schemes import SCHEME_MODULES, SchemeLinear
 from fxquant.passes._graph import modules_of, nodes_of, replace_submodule
 from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.smoothquant_divide import ChannelScale
 
 
 def takes_scheme(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -64,22 +65,31 @@ def lower_schemes(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def unwrap_layer_islands(model: nn.Module) -> nn.Module:
-    """Put each island of one Linear that became a float-in, float-out INT8 module and computes nothing else (no
-    SmoothQuant ``ChannelScale`` in front, say) in its place, bare (in place; returns ``model``): it reads and
-    returns float like the Linear, answers what user code reads from one (see :mod:`fxquant.nn.schemes`), and skips
-    an island's graph walk, a large share of an LLM decode step. Islands of transformers' ``Conv1D`` stay: they give
-    its transposed weight layout."""
+    """Put each island of one Linear that became a float-in, float-out INT8 module in its place, bare (in place;
+    returns ``model``): it reads and returns float like the Linear, answers what user code reads from one (see
+    :mod:`fxquant.nn.schemes`), and skips an island's graph walk, a large share of an LLM decode step. A SmoothQuant
+    ``ChannelScale`` in front goes into the module (``input_scale``); an island computing anything else stays, and
+    so do islands of transformers' ``Conv1D``: they give its transposed weight layout."""
     for path, island in list(model.named_modules()):
         surface = island.meta.get(SURFACE_KEY) if isinstance(island, Island) else None
-        if isinstance(surface, Surface) and surface.layer is not None and not surface.transposed \
-                and _calls_only(island, surface.layer):
-            replace_submodule(model, path, island.get_submodule(surface.layer))  # type: ignore[arg-type]
+        if isinstance(surface, Surface) and surface.layer is not None and not surface.transposed:
+            bare = _bare_layer(island, surface.layer)
+            if bare is not None:
+                replace_submodule(model, path, bare)  # type: ignore[arg-type]
     return model
 
 
-def _calls_only(island: fx.GraphModule, name: str) -> bool:
-    """Whether ``island``'s graph is ``x -> <name>(x)`` and ``<name>`` is a float-in, float-out INT8 Linear."""
+def _bare_layer(island: fx.GraphModule, name: str) -> SchemeLinear | None:
+    """The layer ``name`` of ``island``, a float-in, float-out INT8 Linear, if the island's graph is ``x ->
+    <name>(x)`` or ``x -> <name>(ChannelScale(x))`` (the scale then set as its ``input_scale``); else None."""
+    layer = island.get_submodule(name)
     computing = [node for node in island.graph.nodes if node.op not in ("placeholder", "output")]
-    return isinstance(island.get_submodule(name), SchemeLinear) and len(computing) == 1 \
-        and computing[0].op == "call_module" and computing[0].target == name \
-        and all(arg.op == "placeholder" for arg in computing[0].all_input_nodes)
+    if not isinstance(layer, SchemeLinear) or not computing or computing[-1].target != name or len(computing) > 2 \
+            or any(node.op != "call_module" or len(node.all_input_nodes) != 1 for node in computing):
+        return None
+    if len(computing) == 2:
+        scale = island.get_submodule(str(computing[0].target))
+        if not isinstance(scale, ChannelScale) or computing[1].all_input_nodes != [computing[0]]:
+            return None
+        layer.input_scale = scale.scale
+    return layer if computing[0].all_input_nodes[0].op == "placeholder" else None

@@ -340,3 +340,24 @@ def test_gpt2_weight_only(hf_zoo: Any) -> None:
     with torch.no_grad():
         sqnr = _sqnr(hf_zoo.main_output("gpt2", float_model(**batch)), hf_zoo.main_output("gpt2", qmodel(**batch)))
     assert sqnr > SQNR_FLOOR["gpt2"], f"gpt2 weight-only logits SQNR {sqnr:.2f} dB"
+
+
+def test_smoothed_llama_switched_at_convert_keeps_its_smoothing_in_bare_layers(hf_zoo: Any) -> None:
+    """SmoothQuant's division in front of an island's Linear goes into the bare INT8 layer (``input_scale``): the
+    model still computes the float model's function (against the float model itself), and ``weight`` reads the
+    Linear's own (unsmoothed) weight."""
+    model = hf_zoo.build("llama")
+    batches = hf_zoo.batches("llama", 4)
+    float_model = copy.deepcopy(model)
+    prepared = fxquant.prepare(model, hf_zoo.positional(model, batches[0]), QuantConfig(smoothquant_alpha=0.5))
+    fxquant.calibrate(prepared, batches, progress=False)
+    qmodel = fxquant.convert(prepared, schemes={"*": "dynamic"})
+    q_proj = qmodel.model.layers[0].self_attn.q_proj
+    assert type(q_proj) is DynamicInt8Linear and q_proj.input_scale is not None  # smoothed, and bare
+    float_weight = float_model.model.layers[0].self_attn.q_proj.weight.detach()
+    weight_sqnr = _sqnr(float_weight, q_proj.weight)
+    assert weight_sqnr > 41, f"q_proj.weight SQNR {weight_sqnr:.2f} dB against the float Linear's weight"
+    with torch.no_grad():
+        sqnr = _sqnr(hf_zoo.main_output("llama", float_model(**batches[0])),
+                     hf_zoo.main_output("llama", qmodel(**batches[0])))
+    assert sqnr > 34, f"llama smoothed dynamic logits SQNR {sqnr:.2f} dB"
