@@ -41,11 +41,15 @@ static void rows_scalar(const WeightOnlyRows *p, const int64_t m0, const int row
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-/* The weight rows of the block at n0; past the last output, the last row again (computed, not stored), so the
- * loops below have constant bounds and their sums stay in registers. */
-static inline void block_rows(const WeightOnlyRows *p, const int64_t n0, const int8_t *w[COL_BLOCK]) {
-    for (int c = 0; c < COL_BLOCK; c++)
-        w[c] = p->w + (n0 + c < p->out_features ? n0 + c : p->out_features - 1) * p->in_features;
+/* The weight rows and scale rows of the block at n0; past the last output, the last row again (computed, not
+ * stored), so the loops below have constant bounds and their sums stay in registers. */
+static inline void block_rows(const WeightOnlyRows *p, const int64_t n0, const int8_t *w[COL_BLOCK],
+                              const float *s[COL_BLOCK]) {
+    for (int c = 0; c < COL_BLOCK; c++) {
+        const int64_t n = n0 + c < p->out_features ? n0 + c : p->out_features - 1;
+        w[c] = p->w + n * p->in_features;
+        s[c] = p->scale + n * (p->in_features / p->group);
+    }
 }
 
 /* rows (1 or 2, a constant once inlined) input rows at m0 against the COL_BLOCK outputs at n0. */
@@ -53,13 +57,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inlin
     const WeightOnlyRows *p, const int64_t m0, const int rows, const int64_t n0) {
     const int64_t K = p->in_features;
     const int8_t *w[COL_BLOCK];
-    block_rows(p, n0, w);
+    const float *s[COL_BLOCK];
+    block_rows(p, n0, w, s);
     __m512 acc[ROW_BLOCK][COL_BLOCK];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < COL_BLOCK; c++)
             acc[r][c] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 mask = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1u);
+        const int64_t g = k / p->group; /* the 16 inputs lie in one group: a group is a multiple of 16, or K */
         __m512 x[ROW_BLOCK];
         for (int r = 0; r < rows; r++)
             x[r] = _mm512_maskz_loadu_ps(mask, p->x + (m0 + r) * p->x_stride + k);
@@ -67,8 +73,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inlin
             for (int c = 0; c < COL_BLOCK; c++)
                 _mm_prefetch((const char *)(w[c] + COL_BLOCK * K + k), _MM_HINT_T0);
         for (int c = 0; c < COL_BLOCK; c++) {
-            const __m512 wc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(
-                mask, w[c] + k))), _mm512_set1_ps(scale_at(p, n0 + c < p->out_features ? n0 + c : p->out_features - 1, k)));
+            const __m512 wc = _mm512_mul_ps(
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w[c] + k))), _mm512_set1_ps(s[c][g]));
             for (int r = 0; r < rows; r++)
                 acc[r][c] = _mm512_fmadd_ps(x[r], wc, acc[r][c]);
         }
@@ -98,12 +104,14 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block_avx2
     const WeightOnlyRows *p, const int64_t m0, const int rows, const int64_t n0) {
     const int64_t K = p->in_features, full = K - K % 8;
     const int8_t *w[COL_BLOCK];
-    block_rows(p, n0, w);
+    const float *s[COL_BLOCK];
+    block_rows(p, n0, w, s);
     __m256 acc[ROW_BLOCK][COL_BLOCK];
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < COL_BLOCK; c++)
             acc[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < full; k += 8) {
+        const int64_t g = k / p->group; /* the 8 inputs lie in one group (a multiple of 16, or K) */
         __m256 x[ROW_BLOCK];
         for (int r = 0; r < rows; r++)
             x[r] = _mm256_loadu_ps(p->x + (m0 + r) * p->x_stride + k);
@@ -113,7 +121,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block_avx2
         for (int c = 0; c < COL_BLOCK; c++) {
             const __m256 wc = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w[c] + k)))),
-                _mm256_set1_ps(scale_at(p, n0 + c < p->out_features ? n0 + c : p->out_features - 1, k)));
+                _mm256_set1_ps(s[c][g]));
             for (int r = 0; r < rows; r++)
                 acc[r][c] = _mm256_fmadd_ps(x[r], wc, acc[r][c]);
         }
@@ -123,7 +131,7 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block_avx2
             const float *x = p->x + (m0 + r) * p->x_stride;
             float sum = sum8(acc[r][c]);
             for (int64_t k = full; k < K; k++)
-                sum += x[k] * ((float)w[c][k] * scale_at(p, n0 + c, k));
+                sum += x[k] * ((float)w[c][k] * s[c][k / p->group]);
             finish(p, m0 + r, n0 + c, sum);
         }
 }
