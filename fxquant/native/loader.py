@@ -43,7 +43,7 @@ if loops is not None:
 # torch thread count at which it was measured faster than what it replaces, and yields to that kernel above it, at
 # any thread count (docs/amx.md "Threads" gives the measurements; scripts/bench_amx_layers.py --threads N).
 THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "upsample": 1, "elementwise": 2, "histogram": 4,
-                 "weight_only": 2}
+                 "weight_only": 2, "int8_rows": 1}
 
 
 def loops_for(family: str = "elementwise") -> ModuleType | None:

@@ -37,8 +37,8 @@ def int8_rows_into(out: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor, 
                    weight_sums: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Dense float32 ``out = (q @ weight.T) * row_scale[:, None] * col_scale + bias`` from dense int8 ``q`` and
     ``weight`` (``weight_sums``: its int32 row sums); False (nothing written) without AVX512-VNNI, where the loops are
-    off or the thread rule yields (``loops_for("weight_only")``: the same few-row Linear family)."""
-    if loader.loops_for("weight_only") is None:
+    off or the thread rule yields (``loops_for("int8_rows")``)."""
+    if loader.loops_for("int8_rows") is None:
         return False
     return extension.int8_rows_f32((q.data_ptr(), row_scale.data_ptr(), q.shape[0]),
                                    (weight.data_ptr(), weight_sums.data_ptr(), col_scale.data_ptr(),

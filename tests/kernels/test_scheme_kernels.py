@@ -125,7 +125,7 @@ def test_per_token_linear_is_exact(x_shape: tuple[int, ...], out_features: int, 
     weight, scale = _int8_weights(out_features, x_shape[-1], gen)
     bias = _bias(out_features, gen, with_bias)
     sums = weight.sum(dim=1, dtype=torch.int32) if with_sums else None
-    with loop_threads("weight_only"):
+    with loop_threads("int8_rows"):
         got = per_token_linear(x, weight.t(), scale, bias, weight_sums=sums)
     assert got.shape == (*x_shape[:-1], out_features) and got.dtype == torch.float32
     assert torch.equal(got, _per_token_reference(x, weight, scale, bias))
@@ -169,7 +169,7 @@ def test_per_token_c_loops_run_and_give_the_torch_bytes() -> None:
     if "avx512_vnni" not in _cpu_flags() or isa_cap() < ISA_LEVELS.index("vnni"):
         pytest.skip("the VNNI rows loop needs AVX512-VNNI, which this CPU (or FXQUANT_ISA) does not allow")
     out = torch.full((rows, 21), float("nan"))
-    with loop_threads("weight_only"):
+    with loop_threads("int8_rows"):
         ran = int8_rows_into(out, q, row_scale, weight, weight.sum(dim=1, dtype=torch.int32), scale, bias)
     assert ran, "the VNNI rows loop did not run on a CPU with AVX512-VNNI"
     assert torch.equal(out, want)
@@ -193,7 +193,7 @@ def test_per_token_linear_takes_the_vnni_rows_loop(monkeypatch: pytest.MonkeyPat
     loop_rows = per_token_kernel.LOOP_ROWS
     for rows in (1, loop_rows, loop_rows + 1):
         x = torch.randn(rows, 70, generator=gen)
-        with loop_threads("weight_only"):
+        with loop_threads("int8_rows"):
             got = per_token_linear(x, weight.t(), scale, None, weight_sums=sums)
         assert torch.equal(got, _per_token_reference(x, weight, scale, None)), rows
     assert returned == [True, True], returned  # the loop for 1 and LOOP_ROWS rows, not for one row more
