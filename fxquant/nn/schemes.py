@@ -5,11 +5,12 @@
 - :class:`WeightOnlyInt8Linear` (``"weight_only"``, W8A16): int8 weights, float activations
   (:mod:`fxquant.kernels.weight_only`).
 
-Both keep only the int8 weight (``qweight``), its per-output-channel float32 scale and the float32 bias (no float
-copy of the weight), read and return float, and need no calibration: they stand where a float ``nn.Linear`` stood,
-anywhere in a graph, and in code torch.fx cannot trace in place of the Linear itself (no island around them: a
-decode step calls a few hundred of them). What user code reads from a Linear reads the same here:
-``in_features``/``out_features``, ``bias``, and ``weight``, the float weight they compute with, made on access.
+Both keep only the int8 weight (``qweight``), its float32 scales (per output channel; weight-only: per 64 inputs of
+each output) and the float32 bias (no float copy of the weight), read and return float, and need no calibration:
+they stand where a float ``nn.Linear`` stood, anywhere in a graph, and in code torch.fx cannot trace in place of the
+Linear itself (no island around them: a decode step calls a few hundred of them). What user code reads from a
+Linear reads the same here: ``in_features``/``out_features``, ``bias``, and ``weight``, the float weight they compute
+with, made on access.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from fxquant.qparams import QParams, quantize
 
 
 class SchemeLinear(nn.Module):
-    """int8 ``qweight`` (out_features, in_features) with float32 ``weight_scale`` per output channel and ``bias``;
-    ``scheme`` names the scheme, ``kernel`` what computes it (for coverage)."""
+    """int8 ``qweight`` (out_features, in_features) with float32 ``weight_scale`` (per output channel, or (out_features,
+    groups)) and ``bias``; ``scheme`` names the scheme, ``kernel`` what computes it (for coverage)."""
 
     scheme: str
     kernel: str

@@ -85,11 +85,12 @@ def _bare_layer(island: fx.GraphModule, name: str) -> SchemeLinear | None:
     layer = island.get_submodule(name)
     computing = [node for node in island.graph.nodes if node.op not in ("placeholder", "output")]
     if not isinstance(layer, SchemeLinear) or not computing or computing[-1].target != name or len(computing) > 2 \
-            or any(node.op != "call_module" or len(node.all_input_nodes) != 1 for node in computing):
+            or any(node.op != "call_module" or len(node.all_input_nodes) != 1 for node in computing) \
+            or computing[0].all_input_nodes[0].op != "placeholder":
         return None
     if len(computing) == 2:
         scale = island.get_submodule(str(computing[0].target))
         if not isinstance(scale, ChannelScale) or computing[1].all_input_nodes != [computing[0]]:
             return None
         layer.input_scale = scale.scale
-    return layer if computing[0].all_input_nodes[0].op == "placeholder" else None
+    return layer
