@@ -18,7 +18,8 @@ from torch import fx, nn
 
 from fxquant.calibration.adapters import forward_parameters
 from fxquant.kernels.base import Backend
-from fxquant.nn.fused import COMPUTE_TYPES, compute_module
+from fxquant.nn.fused import COMPUTE_TYPES, Fused, compute_module
+from fxquant.nn.schemes import SchemeLinear
 from fxquant.passes import fold_batchnorm, functional_to_modules, fuse_activations
 from fxquant.qparams import QParams, sqnr_db
 from fxquant.report.layer_stats import LayerStats, histogram
@@ -145,7 +146,8 @@ class LayerProbe:
             if path not in quantized.captured:
                 continue
             module = self.quantized.get_submodule(path)
-            isolated = _isolated_output(module, float_in) if isinstance(module, QuantizedLayer) else None
+            isolated = _isolated_output(module, float_in) if isinstance(module, QuantizedLayer) else \
+                module(float_in).float() if _scheme_layer(module) is not None else None  # float in: as it is
             self.stats[path].update(float_out, quantized.captured[path][1], isolated)
 
     def results(self) -> list[LayerReport]:
@@ -162,12 +164,24 @@ class LayerProbe:
             weight_range=None if weight is None else (float(weight.min()), float(weight.max())),
             weight_histogram=None if weight is None else histogram(weight),
         )
+        scheme = _scheme_layer(module)
+        if scheme is not None:  # dynamic or weight-only: float in and out, no output range
+            return LayerReport(path, True, backend=f"{scheme.kernel} ({scheme.scheme})",
+                               isolated_sqnr_db=stats.isolated_sqnr_db(),
+                               weight_sqnr_db=None if weight is None else sqnr_db(weight, scheme.dequantized_weight()),
+                               **common)
         if not isinstance(module, QuantizedLayer):
             return LayerReport(path, False, reason=float_reason(path, self.state, self.called), backend="float",
                                **common)
         weight_sqnr = None if weight is None else sqnr_db(weight, module.dequantized_weight())
         return LayerReport(path, True, backend=module.backend.name, isolated_sqnr_db=stats.isolated_sqnr_db(),
                            weight_sqnr_db=weight_sqnr, quant_range=_quant_range(module.out_qp), **common)
+
+
+def _scheme_layer(module: nn.Module | None) -> SchemeLinear | None:
+    """The dynamic or weight-only INT8 Linear ``module`` is (plain or inside a fused activation), else None."""
+    inner = module.inner if isinstance(module, Fused) else module
+    return inner if isinstance(inner, SchemeLinear) else None
 
 
 def _submodule(gm: fx.GraphModule, path: str) -> nn.Module | None:

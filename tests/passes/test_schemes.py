@@ -361,3 +361,18 @@ def test_smoothed_llama_switched_at_convert_keeps_its_smoothing_in_bare_layers(h
         sqnr = _sqnr(hf_zoo.main_output("llama", float_model(**batches[0])),
                      hf_zoo.main_output("llama", qmodel(**batches[0])))
     assert sqnr > 34, f"llama smoothed dynamic logits SQNR {sqnr:.2f} dB"
+
+
+def test_report_lists_scheme_layers_as_int8_with_their_own_error() -> None:
+    """fxquant.report's per-layer table: a dynamic Linear is INT8 (not "left float"), names its scheme, and its
+    isolated error (fed the float layer's own input) is measured; the first layer's equals its in-model error."""
+    model = _mlp().eval()
+    x = torch.randn(8, IN)
+    qmodel = fxquant.convert(fxquant.prepare(model, (x,), QuantConfig(scheme="dynamic")))
+    data = [(torch.randn(8, IN), torch.randint(0, OUT, (8,))) for _ in range(2)]
+    layers = fxquant.report(model, qmodel, data).to_dict()["layers"]
+    assert [layer["name"] for layer in layers] == list(LINEARS)
+    for layer in layers:
+        assert layer["quantized"] and "(dynamic)" in layer["backend"], layer
+        assert layer["isolated_sqnr_db"] > SQNR_FLOOR["dynamic"], layer["isolated_sqnr_db"]
+    assert layers[0]["isolated_sqnr_db"] == pytest.approx(layers[0]["sqnr_db"])  # same input: the model's own
