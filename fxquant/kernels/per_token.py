@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from fxquant.kernels.reference import int_mm_is_exact
 from fxquant.native.per_token import int8_rows_into, quantize_rows_into, rescale_rows_into
 
+EXACT_RUN = 1024  # inputs per float32 GEMM where torch._int_mm is not exact (see _exact_sums)
 LOOP_ROWS = 8  # the VNNI loop up to this many rows, torch._int_mm beyond (docs/quantization.md "Schemes")
 _TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row: every value quantizes to 0
 
@@ -28,6 +30,16 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return q, scale
     scale = rows.abs().amax(dim=1, keepdim=True).div_(127.0).clamp_(min=_TINY)
     return torch.div(rows, scale).round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+def _exact_sums(q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """``q @ weight_t`` in int32 by float32 GEMMs over runs of :data:`EXACT_RUN` inputs: every partial sum is an
+    integer below ``127 * 128 * EXACT_RUN < 2**24``, so float32 holds it exactly in any order of summation."""
+    acc = torch.zeros(q.shape[0], weight_t.shape[1], dtype=torch.int32)
+    for start in range(0, q.shape[1], EXACT_RUN):
+        stop = start + EXACT_RUN
+        acc += torch.mm(q[:, start:stop].to(torch.float32), weight_t[start:stop].to(torch.float32)).to(torch.int32)
+    return acc
 
 
 def _rescaled(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor,
@@ -52,6 +64,7 @@ def per_token_linear(x: torch.Tensor, weight_t: torch.Tensor, weight_scale: torc
         out = torch.empty(q.shape[0], out_features, dtype=torch.float32)
         if int8_rows_into(out, q, scale, weight_t.t(), weight_sums, weight_scale, bias):
             return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
-    # torch 2.13's CPU _int_mm returns wrong sums for a single input feature; the outer product is exact there
-    acc = torch._int_mm(q, weight_t) if in_features > 1 else q.to(torch.int32) * weight_t.to(torch.int32)
+    # torch 2.13's CPU _int_mm returns wrong sums for a single input feature, and, where oneDNN has no VNNI, sums
+    # pairs of products in int16 (saturating): float32 GEMMs over short runs of inputs are exact there
+    acc = torch._int_mm(q, weight_t) if in_features > 1 and int_mm_is_exact() else _exact_sums(q, weight_t)
     return _rescaled(acc, scale, weight_scale, bias).reshape(*x.shape[:-1], out_features).to(x.dtype)

@@ -412,3 +412,15 @@ def test_weight_only_linear_3d_and_bfloat16(x_shape: tuple[int, ...]) -> None:
     error = (got_bf16.reshape(-1, 12).double() - want).abs()
     bound = tol + want.abs() * 2.0**-8  # plus the final rounding to bfloat16 (8 significant bits)
     assert bool((error <= bound).all()), f"worst error / bound {float((error / bound).max()):.3f}"
+
+
+@pytest.mark.parametrize("in_features", [1, 100, per_token_kernel.EXACT_RUN + 37])
+def test_per_token_linear_is_exact_where_int_mm_is_not(monkeypatch: pytest.MonkeyPatch, in_features: int) -> None:
+    """Where torch._int_mm saturates (oneDNN without VNNI sums pairs of products in int16) the sums come from float32
+    GEMMs over runs of EXACT_RUN inputs: still the exact reference, across more than one run."""
+    monkeypatch.setattr(per_token_kernel, "int_mm_is_exact", lambda: False)
+    gen = torch.Generator().manual_seed(in_features)
+    x = torch.randn(5, in_features, generator=gen) * 3
+    weight, scale = _int8_weights(11, in_features, gen)
+    weight[:, :2] = -128  # the largest products the sums can meet
+    assert torch.equal(per_token_linear(x, weight.t(), scale, None), _per_token_reference(x, weight, scale, None))
