@@ -23,42 +23,6 @@
 #define FXQ_INTERNAL __attribute__((visibility("hidden"))) /* shared between the files, not exported by the .so */
 #else
 #define FXQ_INTERNAL
-/* ---- weight_only.c ---- */
-
-/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense) with a
- * dense float32 scale per group of `group` inputs of each output (out_features x in_features / group; group divides
- * in_features and is a multiple of 16, or equals in_features), an optional bias (NULL) per output, rows x
- * out_features float32 outputs (out_stride apart). */
-typedef struct {
-    const float *x;
-    int64_t rows, x_stride;
-    const int8_t *w;
-    const float *scale, *bias;
-    int64_t in_features, out_features, group;
-    float *out;
-    int64_t out_stride;
-} WeightOnlyRows;
-
-FXQ_INTERNAL void fxq_weight_only_f32(const WeightOnlyRows *p);
-
-/* ---- int8_rows.c ---- */
-
-/* rows x in_features dense int8 rows with a float32 scale each; out_features x in_features dense int8 weights with
- * their int32 row sums, a float32 scale and optional bias (NULL) per output; rows x out_features dense float32. */
-typedef struct {
-    const int8_t *q;
-    const float *row_scale;
-    int64_t rows;
-    const int8_t *w;
-    const int32_t *weight_sums;
-    const float *col_scale, *bias;
-    int64_t in_features, out_features;
-    float *out;
-} Int8Rows;
-
-/* Only where fxq_vnni_usable(). */
-FXQ_INTERNAL void fxq_int8_rows_f32(const Int8Rows *p);
-
 #endif
 
 /* The hot element-wise loops get AVX2 and AVX-512 clones, one chosen at load for this CPU (the default clone runs
@@ -67,42 +31,6 @@ FXQ_INTERNAL void fxq_int8_rows_f32(const Int8Rows *p);
 #define VECTOR_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define VECTOR_CLONES
-/* ---- weight_only.c ---- */
-
-/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense) with a
- * dense float32 scale per group of `group` inputs of each output (out_features x in_features / group; group divides
- * in_features and is a multiple of 16, or equals in_features), an optional bias (NULL) per output, rows x
- * out_features float32 outputs (out_stride apart). */
-typedef struct {
-    const float *x;
-    int64_t rows, x_stride;
-    const int8_t *w;
-    const float *scale, *bias;
-    int64_t in_features, out_features, group;
-    float *out;
-    int64_t out_stride;
-} WeightOnlyRows;
-
-FXQ_INTERNAL void fxq_weight_only_f32(const WeightOnlyRows *p);
-
-/* ---- int8_rows.c ---- */
-
-/* rows x in_features dense int8 rows with a float32 scale each; out_features x in_features dense int8 weights with
- * their int32 row sums, a float32 scale and optional bias (NULL) per output; rows x out_features dense float32. */
-typedef struct {
-    const int8_t *q;
-    const float *row_scale;
-    int64_t rows;
-    const int8_t *w;
-    const int32_t *weight_sums;
-    const float *col_scale, *bias;
-    int64_t in_features, out_features;
-    float *out;
-} Int8Rows;
-
-/* Only where fxq_vnni_usable(). */
-FXQ_INTERNAL void fxq_int8_rows_f32(const Int8Rows *p);
-
 #endif
 
 /* The instruction sets the loops may use, capped by FXQUANT_ISA (fxquant.native.isa, set once by fxquant.native
