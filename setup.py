@@ -17,9 +17,14 @@ POSIX = sys.platform != "win32"
 NATIVE_SOURCES = [f"fxquant/native/csrc/{name}.c"
                   for name in ("module", "module_rows", "histogram", "elementwise", "amx_gemm", "patches", "weight_only", "int8_rows")]
 NATIVE_HEADERS = ["fxquant/native/csrc/native.h", "fxquant/native/csrc/gemm.h", "fxquant/native/csrc/module_rows.h"]
+# OpenMP for the few-row Linear loops, which split their outputs over torch's intra-op threads: on Linux the
+# extension links libgomp.so.1 by name, and torch has loaded its own copy of that library by then, so both share
+# one runtime and one thread pool (fxquant.native imports torch first)
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []
 extensions = [Extension("fxquant.native._native", NATIVE_SOURCES, depends=NATIVE_HEADERS,
                         optional=True, libraries=["m"] if POSIX else [],
-                        extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off"])]
+                        extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off", *OPENMP],
+                        extra_link_args=OPENMP)]
 if POSIX:
     dnnl_sources = [f"fxquant/kernels/onednn/csrc/{name}.c" for name in ("module", "loader", "primitive")]
     extensions.append(Extension("fxquant.kernels.onednn._dnnl", dnnl_sources, optional=True, libraries=["dl"],

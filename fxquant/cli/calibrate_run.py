@@ -11,9 +11,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from fxquant.cli.common import data_options, emit, trust_options
+from fxquant.cli.common import data_options, emit, text_tokenizer, trust_options
 from fxquant.cli.data import load_data
 from fxquant.cli.rundir import advance, open_run, rebuild_run
+from fxquant.cli.source import Source
 from fxquant.errors import CalibrationError, FxQuantError, InputError
 
 CHECKPOINT = Path("checkpoints") / "calibration.pt"
@@ -25,8 +26,13 @@ def _run(args: argparse.Namespace, *, distributed: bool) -> tuple[Path, Any, Any
     from fxquant.calibration import calibrate
 
     directory, manifest = open_run(args.run_dir)
-    data = load_data(data_options(args))
-    prepared = rebuild_run(directory, manifest, trust_options(args), stage="prepared").graph
+    if args.seq_len is None:  # bad data fails before the (slower) rebuild
+        data = load_data(data_options(args))
+    rebuilt = rebuild_run(directory, manifest, trust_options(args), stage="prepared")
+    prepared = rebuilt.graph
+    if args.seq_len is not None:  # text: the tokenizer is the run's, opened once the run was authorized
+        tokenizer = text_tokenizer(args, Source.from_manifest(directory, manifest).model, rebuilt.float_model)
+        data = load_data(data_options(args), tokenizer)
     summary = calibrate(prepared, data, num_batches=args.batches, progress=not args.quiet,
                         skip_nonfinite=args.skip_nonfinite, checkpoint=directory / CHECKPOINT,
                         checkpoint_every=args.checkpoint_every, resume=args.resume, distributed=distributed)

@@ -74,13 +74,14 @@ def _graph_model(args: argparse.Namespace) -> Any:
     if not args.model or not args.example_inputs:
         raise InputError("give RUN_DIR, or --model PKG.MODULE:FACTORY with --example-inputs SPEC")
     model = build_model(args.model, args.weights)
-    return prepare(model, parse_example_inputs(args.example_inputs), load_config(args.config))
+    return prepare(model, parse_example_inputs(args.example_inputs, model), load_config(args.config))
 
 
 def _graph(args: argparse.Namespace) -> int:
     from fxquant.inspect.graph import format_graph, node_role
+    from fxquant.state import graph_of
 
-    gm = _graph_model(args)
+    gm = graph_of(_graph_model(args))  # a drop-in model: the GraphModule behind it
     modules = dict(gm.named_modules())
     rows = [{"op": n.op, "name": n.name, "target": str(n.target), "role": node_role(n, modules)}
             for n in gm.graph.nodes]

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+from collections.abc import Callable
 from typing import Any
 
+from torch import nn
+
 from fxquant.cli.data import DataOptions
+from fxquant.cli.hf import PREFIX, is_hf_spec, load_tokenizer
 from fxquant.cli.source import TrustOptions
+from fxquant.cli.text import check_seq_len
 from fxquant.config import QuantConfig
 
 
@@ -47,11 +53,29 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, split: str) -> None:
     parser.add_argument("--columns", metavar="A,B", help="dataset columns / .npz arrays to feed, in order")
     parser.add_argument("--transform", metavar="PKG.MODULE:FUNCTION", help="applied to each batch")
     parser.add_argument("--split", default=split, help=f"dataset split (default: {split})")
+    parser.add_argument("--seq-len", type=positive_int, metavar="N",
+                        help="the data is text (a UTF-8 file, or a dataset's text column named by --columns, default "
+                             "text): windows of N tokens, --batch-size windows per batch")
+    parser.add_argument("--tokenizer", metavar="FOLDER",
+                        help="the tokenizer for --seq-len (default: the one saved beside a transformers:FOLDER model)")
 
 
-def data_options(args: argparse.Namespace) -> DataOptions:
+def data_options(args: argparse.Namespace, *, targets: bool = False) -> DataOptions:
+    """``--data`` and its options; ``targets``: text batches carry their own ids as the target (next-token
+    metrics)."""
     columns = tuple(c.strip() for c in args.columns.split(",") if c.strip()) if args.columns else ()
-    return DataOptions(args.data, args.batch_size, columns, args.transform, args.split)
+    return DataOptions(args.data, args.batch_size, columns, args.transform, args.split, args.seq_len, targets)
+
+
+def text_tokenizer(args: argparse.Namespace, model_spec: str, model: nn.Module) -> Callable[[], Any] | None:
+    """What makes the tokenizer of ``--seq-len`` text, after the run's model was authorized and rebuilt (so a run
+    directory never names a folder that is opened unasked), with the window checked against the model's context."""
+    if args.seq_len is None:
+        return None
+    check_seq_len(args.seq_len, model)
+    if args.tokenizer is not None:
+        return functools.partial(load_tokenizer, PREFIX + args.tokenizer)
+    return functools.partial(load_tokenizer, model_spec) if is_hf_spec(model_spec) else None
 
 
 TRUST_SPEC_HELP = ("import and call the model factory RUN_DIR names without --model; what is imported is printed to "

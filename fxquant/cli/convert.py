@@ -1,12 +1,15 @@
 """``fxquant convert``: lower a calibrated run to INT8, optionally within an accuracy budget.
 
-Plain ``convert`` lowers the run's calibrated statistics. With ``--max-accuracy-drop PTS`` it runs the
-accuracy-budget search of :mod:`fxquant.tuning.budget` instead: the metric (``--metric``, as in ``fxquant report``) is
-measured on ``--eval-data``, the fewest layers are kept float that bring the drop within ``PTS`` metric points
-(``fxquant regress`` uses the same unit: 0.5 = half a percentage point of top-1), and the trial table is printed.
-The kept-float layers go into the run's config as ``exclude`` patterns and the run is prepared and calibrated again
-on ``--data`` (the calibration data, with the same options as ``fxquant calibrate``), so RUN_DIR holds the chosen
-model like any converted run: ``fxquant report`` / ``export`` / ``fxquant.load`` rebuild it.
+Plain ``convert`` lowers the run's calibrated statistics. With ``--max-accuracy-drop PTS`` or ``--max-relative-drop
+PCT`` it runs the accuracy-budget search of :mod:`fxquant.tuning.budget` instead: the metric (``--metric``, as in
+``fxquant report``, in its own direction: perplexity is better lower) is measured on ``--eval-data``, the fewest layers
+are moved to ``--fallback`` (float, or the weight_only / dynamic scheme) that bring the drop within ``PTS`` metric
+points (``fxquant regress`` uses the same unit: 0.5 = half a percentage point of top-1) or ``PCT`` percent of the
+float metric, every trial starting from the ``--scheme`` recipe, and the trial table is printed. Kept-float layers go
+into the run's config as ``exclude`` patterns and the run is prepared and calibrated again on ``--data`` (the
+calibration data, with the same options as ``fxquant calibrate``); scheme fallbacks are recorded as the converted
+model's schemes. Either way RUN_DIR holds the chosen model like any converted run (``fxquant report`` / ``export`` /
+``fxquant.load`` rebuild it), and its history every trial, which ``fxquant report`` shows.
 
 Exit status: 0 when the written model is within the budget; :data:`EXIT_BUDGET_MISSED` (3) when no trial met it
 (the closest model found is written all the same, and the message says so); 2 for bad input.
@@ -22,9 +25,10 @@ from typing import Any
 
 from torch import fx
 
-from fxquant.cli.common import add_trust_arguments, data_options, emit, positive_int, trust_options
+from fxquant.cli.common import add_trust_arguments, data_options, emit, positive_int, text_tokenizer, trust_options
 from fxquant.cli.data import DataOptions, load_data
 from fxquant.cli.rundir import advance, open_run, rebuild_run
+from fxquant.cli.source import Source
 from fxquant.cli.specs import metric_spec, parse_example_inputs
 from fxquant.errors import InputError
 from fxquant.state import graph_of
@@ -44,10 +48,19 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                          help="run the Linears matching PATTERN on SCHEME (dynamic or weight_only) instead, without "
                               "calibrating again; repeatable, the first matching pattern wins (e.g. "
                               "'*down_proj=weight_only')")
-    budget = convert.add_argument_group("accuracy budget (keep the fewest layers float that meet it)")
+    budget = convert.add_argument_group("accuracy budget (move the fewest layers to the fallback that meet it)")
     budget.add_argument("--max-accuracy-drop", type=_points, metavar="PTS",
                         help="metric points the INT8 model may lose (top1/top5: percentage points, 0.5 = half a "
                              "point; a custom metric: its own units); needs --eval-data and --data")
+    budget.add_argument("--max-relative-drop", type=_percent, metavar="PCT",
+                        help="instead: percent of the float metric the INT8 model may be worse by, in the metric's "
+                             "direction (perplexity: 1 allows +1%%)")
+    budget.add_argument("--fallback", type=_fallback, default="float", metavar="NAME",
+                        help="what a chosen layer runs instead: float (default), weight_only or dynamic (Linears); "
+                             "with --scheme '*=dynamic' a dynamic base with weight_only fallback")
+    budget.add_argument("--granularity", choices=("layer", "kind"), default="layer",
+                        help="layer (default), or kind: a layer in every repeated block at once "
+                             "(model.layers.*.mlp.down_proj)")
     budget.add_argument("--eval-data", metavar="SPEC", help="(inputs, target) batches the metric is measured on; "
                                                             "same forms as --data")
     budget.add_argument("--eval-columns", metavar="A,B", help="dataset columns / .npz arrays of --eval-data, in "
@@ -63,6 +76,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     budget.add_argument("--columns", metavar="A,B", help="dataset columns / .npz arrays of --data to feed")
     budget.add_argument("--transform", metavar="PKG.MODULE:FUNCTION", help="applied to each --data batch")
     budget.add_argument("--split", default="train", help="dataset split of --data (default: train)")
+    budget.add_argument("--seq-len", type=positive_int, metavar="N",
+                        help="--data and --eval-data are text: windows of N tokens (as for fxquant calibrate)")
+    budget.add_argument("--tokenizer", metavar="FOLDER", help="the tokenizer for --seq-len (default: the one saved "
+                                                              "beside a transformers:FOLDER model)")
     add_trust_arguments(convert)
     convert.set_defaults(handler=_convert)
 
@@ -77,6 +94,22 @@ def _points(text: str) -> float:
     return value
 
 
+def _percent(text: str) -> float:
+    try:
+        return _points(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a percentage >= 0, got {text!r}") from None
+
+
+def _fallback(text: str) -> str:
+    from fxquant.tuning.budget import FALLBACKS
+
+    if text not in FALLBACKS:
+        why = " (static W8A8 is the base a layer falls back from)" if text == "static" else ""
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(FALLBACKS)}, got {text!r}{why}")
+    return text
+
+
 def _scheme(text: str) -> tuple[str, str]:
     from fxquant.config import SCHEMES
 
@@ -87,20 +120,23 @@ def _scheme(text: str) -> tuple[str, str]:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    if args.scheme and args.max_accuracy_drop is not None:
-        raise InputError("--scheme is for a plain convert; the accuracy-budget search keeps layers float instead. "
-                         "Drop one of --scheme and --max-accuracy-drop")
-    if args.max_accuracy_drop is None:
-        given = [flag for flag, value in (("--eval-data", args.eval_data), ("--data", args.data)) if value]
+    if args.max_accuracy_drop is not None and args.max_relative_drop is not None:
+        raise InputError("give one budget: --max-accuracy-drop (metric points) or --max-relative-drop (percent)")
+    if args.max_accuracy_drop is None and args.max_relative_drop is None:
+        given = [flag for flag, value in (("--eval-data", args.eval_data), ("--data", args.data),
+                                          ("--fallback", args.fallback != "float"),
+                                          ("--granularity", args.granularity != "layer")) if value]
         if given:
-            raise InputError(f"{' and '.join(given)} only serve --max-accuracy-drop; add it, or drop them")
+            raise InputError(f"{' and '.join(given)} only serve --max-accuracy-drop / --max-relative-drop; add one, "
+                             "or drop them")
         return _plain(args)
     if args.example_inputs:
         raise InputError("--example-inputs only serves a plain convert with --backend auto; the accuracy-budget "
                          "search converts with the config's backend. Drop it, or drop --max-accuracy-drop")
     missing = [flag for flag, value in (("--eval-data", args.eval_data), ("--data", args.data)) if not value]
     if missing:
-        raise InputError(f"--max-accuracy-drop needs {' and '.join(missing)}: the data the metric is measured on "
+        flag = "--max-accuracy-drop" if args.max_accuracy_drop is not None else "--max-relative-drop"
+        raise InputError(f"{flag} needs {' and '.join(missing)}: the data the metric is measured on "
                          "(--eval-data) and the calibration data to calibrate again with layers kept float (--data)")
     return _within_budget(args)
 
@@ -111,10 +147,11 @@ def _plain(args: argparse.Namespace) -> int:
 
     directory, manifest = open_run(args.run_dir)
     stage = "prepared" if manifest.stage == "prepared" else "calibrated"
-    prepared = rebuild_run(directory, manifest, trust_options(args), stage=stage).graph
+    rebuilt = rebuild_run(directory, manifest, trust_options(args), stage=stage)
+    prepared = rebuilt.graph
     if stage == "prepared" and observers_of(prepared):  # a run of dynamic or weight-only layers only needs none
         open_run(args.run_dir, needs="calibrated")  # raises, naming the step
-    timing = parse_example_inputs(args.example_inputs) if args.example_inputs else None
+    timing = parse_example_inputs(args.example_inputs, rebuilt.float_model) if args.example_inputs else None
     quantized = convert(prepared, backend=args.backend, example_inputs=timing, schemes=dict(args.scheme))
     _write(args, prepared, graph_of(quantized), extra={})
     return 0
@@ -125,6 +162,8 @@ def _write(args: argparse.Namespace, prepared: fx.GraphModule, quantized: fx.Gra
     """Record ``prepared``'s config, graph and statistics, then ``quantized``, as RUN_DIR's converted stage."""
     from fxquant.artifacts.model_io import observer_statistics, set_converted, set_graph, tensor_state
     from fxquant.inspect.graph import node_role
+    from fxquant.nn.schemes import SchemeLinear
+    from fxquant.report.layers import QuantizedLayer
     from fxquant.state import quant_state
 
     directory, manifest = open_run(args.run_dir)
@@ -137,50 +176,70 @@ def _write(args: argparse.Namespace, prepared: fx.GraphModule, quantized: fx.Gra
     advance(directory, manifest, "converted", tensors, backend=manifest.backend, **extra)
     modules = dict(quantized.named_modules())
     int8 = [n.name for n in quantized.graph.nodes if node_role(n, modules).startswith("int8")]
-    emit(args, f"{text}converted to INT8 on {manifest.backend}: {len(int8)} int8 nodes; {directory} is at stage "
+    # INT8 layers wherever they are: graph nodes, inside islands, or standing in for a Linear in untraced code
+    layers = [path for path, module in modules.items() if isinstance(module, (SchemeLinear, QuantizedLayer))]
+    emit(args, f"{text}converted to INT8 on {manifest.backend}: {len(layers)} INT8 layers; {directory} is at stage "
                f"'converted'\nnext: fxquant report {directory} --data SPEC",
          {"run_dir": str(directory), "stage": "converted", "backend": manifest.backend, "int8_nodes": int8,
-          **extra})
+          "int8_layers": layers, **extra})
 
 
-def _eval_options(args: argparse.Namespace) -> DataOptions:
+def _eval_options(args: argparse.Namespace, targets: bool) -> DataOptions:
     columns = tuple(c.strip() for c in args.eval_columns.split(",") if c.strip()) if args.eval_columns else ()
-    return DataOptions(args.eval_data, args.eval_batch_size, columns, None, "test")
+    return DataOptions(args.eval_data, args.eval_batch_size, columns, None, "test", args.seq_len, targets)
+
+
+def _verdict(result: Any, drop_points: float, points: float, metric: str) -> tuple[bool, str]:
+    """Whether the written model, worse than the float one by ``drop_points``, is within the search's budget, and
+    the line that says so (in points for top-k metrics, in the metric's units otherwise)."""
+    limit = result.max_accuracy_drop * points
+    unit = " points" if points != 1 else ""
+    relative = "" if result.max_relative_drop is None else f" ({result.max_relative_drop:g}%)"
+    worse = "drop" if result.higher_is_better else "rise"
+    if drop_points <= limit + 1e-9:
+        return True, f"budget met: {metric} {worse} {drop_points:.4g}{unit} <= {limit:.4g}{unit}{relative}"
+    return False, (f"budget NOT met: the closest model found is worse by a {metric} {worse} of {drop_points:.4g}"
+                   f"{unit} (> {limit:.4g}{unit}{relative}); it is written all the same")
 
 
 def _within_budget(args: argparse.Namespace) -> int:
     from fxquant.calibration.adapters import forward_parameters
     from fxquant.report.evaluate import score
     from fxquant.report.metrics import resolve_metric
+    from fxquant.report.trials import HISTORY_KEY
     from fxquant.tuning.budget import quantize_within_budget
 
     directory, manifest = open_run(args.run_dir, needs="calibrated")
-    model, prepared, example = rebuild_run(directory, manifest, trust_options(args), stage="calibrated")
     metric = resolve_metric(metric_spec(args.metric))  # the same names and specs as fxquant report
-    eval_fn = functools.partial(score, data=load_data(_eval_options(args)), metric=metric,
-                                params=forward_parameters(graph_of(prepared))[0])
-    calibration = load_data(data_options(args))
-    budget = args.max_accuracy_drop / metric.points_per_unit
+    model, prepared, example = rebuild_run(directory, manifest, trust_options(args), stage="calibrated")
+    tokenizer = text_tokenizer(args, Source.from_manifest(directory, manifest).model, model)
+    eval_fn = functools.partial(score, data=load_data(_eval_options(args, metric.needs_target), tokenizer),
+                                metric=metric, params=forward_parameters(graph_of(prepared))[0])
+    calibration = load_data(data_options(args), tokenizer)
+    points = metric.points_per_unit
+    absolute = None if args.max_accuracy_drop is None else args.max_accuracy_drop / points
     config = manifest.quant_config()
     config = dataclasses.replace(config, backend=args.backend) if args.backend else config
     qmodel = quantize_within_budget(model, example, calibration, config, eval_fn=eval_fn,
-                                    max_accuracy_drop=budget, max_trials=args.max_trials, progress=not args.quiet)
+                                    max_accuracy_drop=absolute, max_relative_drop=args.max_relative_drop,
+                                    higher_is_better=getattr(metric, "higher_is_better", True),
+                                    fallback=args.fallback, schemes=dict(args.scheme), granularity=args.granularity,
+                                    max_trials=args.max_trials, progress=not args.quiet)
     result = graph_of(qmodel).meta["fxquant_fallback"]
     assert result.prepared is not None
-    # The search's model itself: RUN_DIR records its convert-time keep_float and rebuilds it exactly (measured again
+    # The search's model itself: RUN_DIR records its convert-time options and rebuilds it exactly (measured again
     # here all the same: what is written is what the verdict is about).
-    written = qmodel
-    written_metric = eval_fn(written)
-    drop_points = (result.float_metric - written_metric) * metric.points_per_unit
-    met = drop_points <= args.max_accuracy_drop + 1e-9
-    verdict = (f"budget met: {metric.name} drop {drop_points:.3f} points <= {args.max_accuracy_drop:g}" if met else
-               f"budget NOT met: the closest model found drops {metric.name} by {drop_points:.3f} points "
-               f"(> {args.max_accuracy_drop:g}); it is written all the same")
+    written_metric = eval_fn(qmodel)
+    drop_points = result.drop(written_metric) * points
+    met, verdict = _verdict(result, drop_points, points, metric.name)
     written_line = f"written to RUN_DIR: {metric.name} {written_metric:.4f}; {verdict}"
-    table = "" if args.json else f"{result.to_markdown()}\n\n{written_line}\n"
-    float_layers = list(result.float_layers)
-    _write(args, result.prepared, graph_of(written), text=table,
-           extra={"max_accuracy_drop": args.max_accuracy_drop, "metric": metric.name, "met_budget": met,
-                  "float_metric": result.float_metric, "int8_metric": written_metric, "drop_points": drop_points,
-                  "float_layers": float_layers, "trials": len(result.trials)})
+    section = result.section(metric.name)
+    table = "" if args.json else f"{section.to_markdown()}\n\n{written_line}\n"
+    _write(args, result.prepared, graph_of(qmodel), text=table,
+           extra={"max_accuracy_drop": args.max_accuracy_drop, "max_relative_drop": args.max_relative_drop,
+                  "metric": metric.name, "met_budget": met, "float_metric": result.float_metric,
+                  "int8_metric": written_metric, "drop_points": drop_points, "fallback": result.fallback,
+                  "fallback_layers": list(result.fallback_layers), "float_layers": list(result.float_layers),
+                  "schemes": result.conversion().schemes, "trials": len(result.trials),
+                  HISTORY_KEY: section.to_dict()})
     return 0 if met else EXIT_BUDGET_MISSED

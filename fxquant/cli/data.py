@@ -10,6 +10,9 @@ Accepted, tried in this order:
 * ``PKG.MODULE:FUNCTION``: called with no arguments, it returns any iterable of batches (a DataLoader, a list...);
 * otherwise a Hugging Face hub dataset name, loaded with ``datasets.load_dataset`` when the network allows.
 
+With ``--seq-len N`` the data is text instead (:mod:`fxquant.cli.text`): a UTF-8 file, or the text column of a
+``save_to_disk`` folder or hub dataset, cut into windows of N tokens by the run's tokenizer.
+
 ``--columns a,b`` turns dict batches into the tuple ``(batch["a"], batch["b"])`` (one column: just its value), the
 order positional inputs and ``(inputs, target)`` pairs need. ``--transform PKG.MODULE:FUNCTION`` is applied to each
 batch first.
@@ -21,21 +24,23 @@ import dataclasses
 import difflib
 import os
 import re
-import socket
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 import torch
 
+from fxquant.cli.hf import hub_unresolved
 from fxquant.cli.specs import call_object, load_object
+from fxquant.cli.text import DEFAULT_COLUMN, column_text, read_text_file, token_ids, window_batches
 from fxquant.errors import InputError
 from fxquant.serialization import load_tensors
 
 _CODE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+TENSOR_FILES = (".npy", ".npz", ".pt")
+TEXT_FILES = (".txt", ".md", ".rst", ".text")
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class DataOptions:
     columns: tuple[str, ...] = ()
     transform: str | None = None
     split: str = "train"
+    seq_len: int | None = None  # text: windows of this many tokens (fxquant.cli.text)
+    targets: bool = False  # text: batches of (input_ids, input_ids), for a next-token metric
 
 
 class Batches:
@@ -142,25 +149,30 @@ def _load_file(path: Path, opts: DataOptions) -> Batches:
 
 
 def _hf_batches(dataset: Any, opts: DataOptions) -> Batches:
-    if hasattr(dataset, "keys") and not hasattr(dataset, "with_format"):  # a DatasetDict: pick the split
-        if opts.split not in dataset:
-            raise InputError(f"--data {opts.spec!r} has no split {opts.split!r}; pass --split with one of "
-                             f"{', '.join(dataset.keys())}")
-        dataset = dataset[opts.split]
+    dataset = _split(dataset, opts)
     torch_view = dataset.with_format("torch")
     length = -(-len(dataset) // opts.batch_size)
     return _finish(Batches(lambda: iter(torch_view.iter(batch_size=opts.batch_size)), length), opts, length)
 
 
-def _load_from_disk(path: Path, opts: DataOptions) -> Batches:
+def _split(dataset: Any, opts: DataOptions) -> Any:
+    """``--split``'s part of a ``DatasetDict``; a ``Dataset`` as it is."""
+    if hasattr(dataset, "keys") and not hasattr(dataset, "with_format"):
+        if opts.split not in dataset:
+            raise InputError(f"--data {opts.spec!r} has no split {opts.split!r}; pass --split with one of "
+                             f"{', '.join(dataset.keys())}")
+        return dataset[opts.split]
+    return dataset
+
+
+def _from_disk(path: Path, opts: DataOptions) -> Any:
     import datasets  # lazy: importing datasets takes a second
 
     try:
-        dataset = datasets.load_from_disk(str(path))
+        return datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as exc:
         raise InputError(f"--data {opts.spec!r} is a directory but not a dataset saved with datasets' "
                          f"save_to_disk ({str(exc).splitlines()[0]})") from None
-    return _hf_batches(dataset, opts)
 
 
 def _hub_unreachable() -> str | None:
@@ -168,15 +180,11 @@ def _hub_unreachable() -> str | None:
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         if os.environ.get(variable, "").lower() in ("1", "true", "yes", "on"):
             return f"offline mode is set ({variable}=1)"
-    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError as exc:
-        return f"no network: cannot resolve {host} ({exc.strerror or exc})"
-    return None
+    return hub_unresolved()
 
 
-def _load_hub(opts: DataOptions) -> Batches:
+def _load_hub(opts: DataOptions) -> Any:
+    """The hub dataset ``opts.spec`` names, ``--split``'s part."""
     fix = (f"on a machine with network, run python -c \"import datasets; datasets.load_dataset('{opts.spec}', "
            f"split='{opts.split}').save_to_disk('DIR')\" and pass --data DIR")
     reason = _hub_unreachable()
@@ -184,22 +192,47 @@ def _load_hub(opts: DataOptions) -> Batches:
         import datasets
 
         try:
-            return _hf_batches(datasets.load_dataset(opts.spec, split=opts.split), opts)
+            return datasets.load_dataset(opts.spec, split=opts.split)
         except Exception as exc:  # datasets raises many types (connection, not found, config); all mean the same
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     raise InputError(f"--data {opts.spec!r} is not a local file or directory, and loading it as a Hugging Face hub "
                      f"dataset failed: {reason}. Fix: {fix}")
 
 
-def load_data(opts: DataOptions) -> Batches:
-    """The batches ``opts.spec`` names (see the module docstring for what is accepted, in which order)."""
+def _load_text(opts: DataOptions, path: Path, tokenizer: Callable[[], Any] | None) -> Batches:
+    """``--seq-len``: token windows of a text file or a dataset's text column (:mod:`fxquant.cli.text`)."""
+    assert opts.seq_len is not None
+    if path.suffix in TENSOR_FILES:
+        raise InputError(f"--data {opts.spec!r} holds tensors; --seq-len is for text (a UTF-8 file or a dataset's "
+                         "text column): drop --seq-len to feed the tensors as they are")
+    if tokenizer is None:
+        raise InputError("--seq-len needs a tokenizer: prepare the run from a Hugging Face model folder "
+                         "(--model transformers:FOLDER), or pass --tokenizer FOLDER")
+    if path.is_dir() or not (path.is_file() or opts.spec.startswith((".", "/", "~")) or path.suffix):
+        column = opts.columns[0] if opts.columns else DEFAULT_COLUMN
+        dataset = _split(_from_disk(path, opts), opts) if path.is_dir() else _load_hub(opts)
+        source = column_text(dataset, column, opts.spec)
+    else:
+        source = read_text_file(path, opts.spec)
+    windows = token_ids(tokenizer(), source, opts.seq_len, opts.spec)
+    make, length = window_batches(windows, opts.batch_size, opts.targets)
+    return _finish(Batches(make, length), dataclasses.replace(opts, columns=()), length)
+
+
+def load_data(opts: DataOptions, tokenizer: Callable[[], Any] | None = None) -> Batches:
+    """The batches ``opts.spec`` names (see the module docstring for what is accepted, in which order);
+    ``tokenizer`` makes the tokenizer that text (``opts.seq_len``) needs, called only for text."""
     path = Path(opts.spec).expanduser()
-    if path.suffix in (".npy", ".npz", ".pt"):
+    if opts.seq_len is not None:
+        return _load_text(opts, path, tokenizer)
+    if path.suffix in TEXT_FILES:
+        raise InputError(f"--data {opts.spec!r} is text: pass --seq-len N to cut it into windows of N tokens")
+    if path.suffix in TENSOR_FILES:
         if not path.is_file():
             raise InputError(f"--data {opts.spec!r}: no such file")
         return _load_file(path, opts)
     if path.is_dir():
-        return _load_from_disk(path, opts)
+        return _hf_batches(_from_disk(path, opts), opts)
     if _CODE_REF.match(opts.spec):
         data = call_object(opts.spec, "--data")
         if isinstance(data, (torch.Tensor, np.ndarray)):
@@ -209,7 +242,7 @@ def load_data(opts: DataOptions) -> Batches:
         return _finish(data, opts, _length(data))
     if opts.spec.startswith((".", "/", "~")) or path.suffix:
         raise InputError(f"--data {opts.spec!r}: no such file or directory")
-    return _load_hub(opts)
+    return _hf_batches(_load_hub(opts), opts)
 
 
 def _length(data: Any) -> int | None:

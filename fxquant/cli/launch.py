@@ -67,7 +67,8 @@ def _calibrate(args: argparse.Namespace) -> str:
     from fxquant.config import QuantConfig
 
     config = QuantConfig.from_file(args.config) if args.config else QuantConfig()
-    prepared = prepare(build_model(args.model, args.weights), parse_example_inputs(args.example_inputs), config)
+    model = build_model(args.model, args.weights)
+    prepared = prepare(model, parse_example_inputs(args.example_inputs, model), config)
     summary = calibrate(prepared, _data(args.data), num_batches=args.batches, batch_size=args.batch_size,
                         progress=not args.quiet, distributed=True)
     if dist.get_rank() == 0:

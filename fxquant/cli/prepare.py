@@ -15,18 +15,22 @@ from pathlib import Path
 from fxquant.cli.common import emit, load_config
 from fxquant.cli.rundir import create_run
 from fxquant.cli.source import from_command_line
-from fxquant.config import SCHEMES
+from fxquant.config import CONFIG_SCHEMES
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     prepare = sub.add_parser("prepare", parents=[common], help="trace a model, insert observers, start RUN_DIR")
-    prepare.add_argument("--model", required=True, metavar="PKG.MODULE:FACTORY", help="returns the float nn.Module")
+    prepare.add_argument("--model", required=True, metavar="PKG.MODULE:FACTORY|FOLDER",
+                         help="a factory returning the float nn.Module, or a Hugging Face model: a save_pretrained "
+                              "folder (transformers:FOLDER, or its path) or transformers:HUB_ID")
     prepare.add_argument("--weights", metavar="FILE", help="state dict to load into the model (weights_only)")
-    prepare.add_argument("--example-inputs", required=True, metavar="SPEC",
-                         help="shapes such as 1x3x224x224,1x10, or PKG.MODULE:FUNCTION returning a tuple")
+    prepare.add_argument("--example-inputs", metavar="SPEC",
+                         help="shapes such as 1x3x224x224,1x10, tokens:1x32 (random token ids), or "
+                              "PKG.MODULE:FUNCTION returning a tuple; default for a Hugging Face model: tokens:1x32")
     prepare.add_argument("--config", metavar="FILE", help="QuantConfig as .json/.yaml/.toml")
-    prepare.add_argument("--scheme", choices=SCHEMES, help="the config's scheme: static W8A8 (calibrated, the "
-                                                          "default), dynamic (W8A8, per-token) or weight_only (W8A16)")
+    prepare.add_argument("--scheme", choices=CONFIG_SCHEMES,
+                         help="the config's scheme: static W8A8 (calibrated), dynamic (W8A8, per-token), "
+                              "weight_only (W8A16), or auto (the default: dynamic for decoder LLMs, else static)")
     prepare.add_argument("-o", "--output", required=True, metavar="RUN_DIR")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing run in RUN_DIR")
     prepare.set_defaults(handler=_prepare)
@@ -42,7 +46,7 @@ def _prepare(args: argparse.Namespace) -> int:
     manifest, prepared = create_run(Path(args.output), source, recipe, config, overwrite=args.overwrite)
     count = len(observers_of(prepared))
     step = f"fxquant calibrate {args.output} --data SPEC" if count else f"fxquant convert {args.output}"
-    emit(args, f"prepared {args.model}: {count} observers inserted; {args.output} is at stage 'prepared'\n"
+    emit(args, f"prepared {source.model}: {count} observers inserted; {args.output} is at stage 'prepared'\n"
                f"next: {step}",
          {"run_dir": args.output, "stage": "prepared", "observers": count,
           "fingerprint": manifest.fingerprints["prepared"]})

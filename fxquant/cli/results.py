@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import argparse
 
-from fxquant.cli.common import add_data_arguments, add_trust_arguments, data_options, emit, positive_int, trust_options
+from fxquant.cli.common import (
+    add_data_arguments,
+    add_trust_arguments,
+    data_options,
+    emit,
+    positive_int,
+    text_tokenizer,
+    trust_options,
+)
 from fxquant.cli.data import load_data
 from fxquant.cli.rundir import open_run, rebuild_run
+from fxquant.cli.source import Source
 from fxquant.cli.specs import metric_spec
 from fxquant.errors import InputError
 from fxquant.serialization import atomic_write
@@ -19,7 +28,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     report.add_argument("run_dir", metavar="RUN_DIR")
     add_data_arguments(report, split="test")
     report.add_argument("--metric", default="top1",
-                        help="top1, top5, or PKG.MODULE:FUNCTION(outputs, targets) -> float (default: top1)")
+                        help="top1, top5, perplexity (causal LMs, with --seq-len text), or "
+                             "PKG.MODULE:FUNCTION(outputs, targets) -> float (default: top1)")
     report.add_argument("--format", choices=FORMATS, default="markdown", help="default: markdown")
     report.add_argument("-o", "--output", metavar="FILE", help="write the report here instead of stdout")
     report.add_argument("--batches", type=positive_int, metavar="N", help="evaluate at most N batches")
@@ -42,11 +52,16 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def _report(args: argparse.Namespace) -> int:
     from fxquant.report.build import report
+    from fxquant.report.metrics import resolve_metric
 
     directory, manifest = open_run(args.run_dir, needs="converted")
-    data = load_data(data_options(args))
     metric = metric_spec(args.metric)
+    options = data_options(args, targets=resolve_metric(metric).needs_target)
+    if args.seq_len is None:  # bad data fails before the (slower) rebuild
+        data = load_data(options)
     float_model, quantized, _ = rebuild_run(directory, manifest, trust_options(args))
+    if args.seq_len is not None:  # text: the tokenizer is the run's, opened once the run was authorized
+        data = load_data(options, text_tokenizer(args, Source.from_manifest(directory, manifest).model, float_model))
     result = report(float_model, quantized, data, metric=metric, progress=not args.quiet, max_batches=args.batches,
                     threads=args.threads, latency_budget_s=args.latency_budget)
     fmt = "json" if args.json and not args.output else args.format
@@ -68,7 +83,8 @@ def _regress(args: argparse.Namespace) -> int:
         return run_regress(args)
     result = compare(args.new, args.baseline, max_accuracy_drop=args.max_accuracy_drop,
                      max_latency_increase=args.max_latency_increase, max_size_increase=args.max_size_increase,
-                     min_sqnr=args.min_sqnr, absolute_latency=args.absolute_latency)
+                     min_sqnr=args.min_sqnr, absolute_latency=args.absolute_latency,
+                     max_relative_drop=args.max_relative_drop)
     rows = [{"metric": r.metric, "baseline": r.baseline, "new": r.new, "delta": r.delta, "limit": r.limit,
              "unit": r.unit, "passed": r.passed} for r in result.rows]
     emit(args, "", {"passed": result.passed, "rows": rows})

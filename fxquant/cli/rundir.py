@@ -87,7 +87,7 @@ def create_run(directory: Path, source: Source, recipe: Recipe, config: QuantCon
 
     _check_target(directory, overwrite)
     model = recipe.build(source)
-    example = recipe.example_inputs(source.example_inputs)
+    example = recipe.example_inputs(source.example_inputs, model)
     prepared = prepare(model, example, config)
     manifest, _ = manifest_for(prepared)
     source = dataclasses.replace(source, model_sha256=state_dict_sha256(model.state_dict()))
@@ -126,10 +126,14 @@ def rebuild_run(directory: Path, manifest: Manifest, options: TrustOptions = _NO
     source = Source.from_manifest(directory, manifest)
     stored = INPUTS in manifest.files
     recipe = authorize(directory, source, options, inputs_stored=stored)
-    example = _stored_inputs(directory, manifest) if stored else recipe.example_inputs(source.example_inputs)
     model = recipe.build(source)
+    example = _stored_inputs(directory, manifest) if stored else recipe.example_inputs(source.example_inputs, model)
     target = manifest if stage is None else dataclasses.replace(manifest, stage=stage)
     rebuilt = Rebuilt(model, rebuild(directory, target, model, example), example)
+    if target.stage == "converted":  # the accuracy-budget search that chose the model, for fxquant report to show
+        from fxquant.report.trials import TRIALS_KEY, recorded_trials  # lazily: commands without report need not
+
+        rebuilt.graph.meta[TRIALS_KEY] = recorded_trials(manifest.history)
     if recipe.remember:
         remember(directory, source.trusted_run(recipe.weights))
     return rebuilt

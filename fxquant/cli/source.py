@@ -27,13 +27,15 @@ from typing import Any
 from torch import nn
 
 from fxquant.artifacts.manifest import MANIFEST_NAME, Manifest
-from fxquant.cli.specs import build_model, parse_example_inputs
+from fxquant.cli.hf import is_hf_spec, normalize_model_spec
+from fxquant.cli.specs import TOKENS, build_model, parse_example_inputs
 from fxquant.cli.trust import TrustedRun, lookup, trust_file
 from fxquant.errors import ArtifactError, InputError
 from fxquant.serialization import sha256_file, state_dict_sha256
 
 _CODE_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")  # PKG.MODULE:NAME, nothing else
 _SHAPES = re.compile(r"^\d+(x\d+)*(,\s*\d+(x\d+)*)*$")
+DEFAULT_TOKENS = "tokens:1x32"  # a Hugging Face model's example inputs when --example-inputs is not given
 
 
 @dataclass(frozen=True)
@@ -57,10 +59,12 @@ class Source:
                 or not all(v is None or isinstance(v, str) for v in entry.values())):
             raise ArtifactError(f"{directory / MANIFEST_NAME}: invalid source entry {entry!r}")
         source = cls(**entry)
-        if not _CODE_REF.match(source.model) or not (_CODE_REF.match(source.example_inputs)
-                                                     or _SHAPES.match(source.example_inputs)):
+        model_ok = _CODE_REF.match(source.model) or (is_hf_spec(source.model) and source.model.isprintable())
+        if not model_ok or not (_CODE_REF.match(source.example_inputs) or _SHAPES.match(source.example_inputs)
+                                or TOKENS.match(source.example_inputs)):
             raise ArtifactError(f"{directory / MANIFEST_NAME}: the source names {source.model!r} / "
-                                f"{source.example_inputs!r}, not PKG.MODULE:NAME specs (or shapes)")
+                                f"{source.example_inputs!r}, not PKG.MODULE:NAME or transformers:FOLDER specs (or "
+                                "shapes)")
         return source
 
     def vouched_by(self, trusted: TrustedRun | None) -> bool:
@@ -101,16 +105,30 @@ class Recipe:
                                 "weights with --weights, or prepare a new run")
         return model
 
-    def example_inputs(self, spec: str) -> tuple[Any, ...]:
-        """Shapes are parsed; a factory is called only when it was authorized (not an assert: it guards imports)."""
-        if ":" in spec and spec != self.example_factory:
+    def example_inputs(self, spec: str, model: nn.Module) -> tuple[Any, ...]:
+        """Shapes and ``tokens:BxT`` are parsed; a factory is called only when it was authorized (not an assert: it
+        guards imports)."""
+        if is_factory(spec) and spec != self.example_factory:
             raise ArtifactError(f"the example-input factory {spec!r} was not authorized; pass --trust-model-spec")
-        return parse_example_inputs(spec)
+        return parse_example_inputs(spec, model)
 
 
-def from_command_line(model: str, example_inputs: str, weights: str | None) -> tuple[Source, Recipe]:
-    """``fxquant prepare``: the user names everything, so everything named may be imported and opened."""
-    factory = example_inputs if ":" in example_inputs else None
+def is_factory(spec: str) -> bool:
+    """An example-input spec that names code to call (``PKG.MODULE:FUNCTION``), not shapes or ``tokens:BxT``."""
+    return ":" in spec and not TOKENS.match(spec)
+
+
+def from_command_line(model: str, example_inputs: str | None, weights: str | None) -> tuple[Source, Recipe]:
+    """``fxquant prepare``: the user names everything, so everything named may be imported and opened. A Hugging
+    Face model folder is recorded as ``transformers:<absolute path>``; its example inputs default to
+    :data:`DEFAULT_TOKENS` (a causal LM's or text encoder's ``input_ids``)."""
+    model = normalize_model_spec(model)
+    if example_inputs is None:
+        if not is_hf_spec(model):
+            raise InputError("--example-inputs is required for a PKG.MODULE:FACTORY model (shapes such as "
+                             "1x3x224x224, tokens:1x32 or PKG.MODULE:FUNCTION)")
+        example_inputs = DEFAULT_TOKENS
+    factory = example_inputs if is_factory(example_inputs) else None
     if weights is None:
         return Source(model, example_inputs), Recipe(model, None, factory, remember=True)
     path = Path(weights)
@@ -122,12 +140,12 @@ def from_command_line(model: str, example_inputs: str, weights: str | None) -> t
 
 def authorize(directory: Path, source: Source, options: TrustOptions, *, inputs_stored: bool) -> Recipe:
     """What a later stage may import and open for ``directory``; raises before anything is imported otherwise."""
-    if options.model is not None and options.model != source.model:
+    if options.model is not None and normalize_model_spec(options.model) != source.model:
         raise InputError(f"--model {options.model!r} is not the model {directory} was prepared from "
                          f"({source.model!r}); pass --model {source.model}, or prepare a new run for your model")
     trusted = lookup(directory)
     vouched = source.vouched_by(trusted)
-    factory = None if inputs_stored or ":" not in source.example_inputs else source.example_inputs
+    factory = None if inputs_stored or not is_factory(source.example_inputs) else source.example_inputs
     if not vouched and not options.trust_spec:
         if options.model is None:
             raise InputError(_untrusted(directory, source, trusted))
@@ -186,7 +204,11 @@ def _announce(directory: Path, model: str, factory: str | None, weights: Path | 
     if os.environ.get("RANK", "0") != "0":
         return
     where = directory / MANIFEST_NAME
-    for what, spec in (("model factory", model), ("example-input factory", factory)):
+    if is_hf_spec(model):
+        print(f"fxquant: --trust-model-spec: loading the Hugging Face model {model[len('transformers:'):]!r} named "
+              f"by {where} (weights and config only: trust_remote_code stays off)", file=sys.stderr)
+    factories = (("model factory", None if is_hf_spec(model) else model), ("example-input factory", factory))
+    for what, spec in factories:
         if spec is not None:
             module, _, name = spec.partition(":")
             print(f"fxquant: --trust-model-spec: importing module {module!r} ({_origin(module)}) and calling "

@@ -9,9 +9,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxquant.cli.hf import is_hf_spec, load_hf_model, vocabulary_size
 from fxquant.errors import InputError
 
 _SHAPE = re.compile(r"^\d+(x\d+)*$")
+TOKENS = re.compile(r"^tokens:(\d+)x(\d+)$")  # ``tokens:BxT``: random token ids of the model's vocabulary
 
 
 def load_object(spec: str, what: str) -> Any:
@@ -49,7 +51,7 @@ def build_model(spec: str, weights: str | None = None) -> nn.Module:
     """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        model = call_object(spec, "--model")
+        model = load_hf_model(spec) if is_hf_spec(spec) else call_object(spec, "--model")
     if not isinstance(model, nn.Module):
         raise InputError(f"--model {spec!r} returned {type(model).__name__}, not a torch.nn.Module")
     if weights is not None:
@@ -63,8 +65,17 @@ def build_model(spec: str, weights: str | None = None) -> nn.Module:
     return model.eval()
 
 
-def parse_example_inputs(spec: str) -> tuple[Any, ...]:
-    """``1x3x224x224,1x10`` -> random float tensors of those shapes; ``PKG.MODULE:FUNCTION`` -> its tuple."""
+def parse_example_inputs(spec: str, model: nn.Module | None = None) -> tuple[Any, ...]:
+    """``1x3x224x224,1x10`` -> random float tensors of those shapes; ``tokens:BxT`` -> a B x T int64 tensor of
+    random ids below ``model``'s vocabulary size (seeded, like the shapes); ``PKG.MODULE:FUNCTION`` -> its tuple."""
+    tokens = TOKENS.match(spec)
+    if tokens is not None:
+        if model is None:
+            raise InputError(f"--example-inputs {spec!r} needs the model to know its vocabulary size")
+        shape = (int(tokens[1]), int(tokens[2]))
+        if 0 in shape:
+            raise InputError(f"--example-inputs {spec!r}: a batch needs at least one row of one token")
+        return (torch.randint(vocabulary_size(model), shape, generator=torch.Generator().manual_seed(0)),)
     if ":" in spec:
         value = call_object(spec, "--example-inputs")
         return tuple(value) if isinstance(value, (tuple, list)) else (value,)

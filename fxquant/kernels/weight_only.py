@@ -32,17 +32,26 @@ def _dequantized(weight: torch.Tensor, scale: torch.Tensor, start: int, stop: in
     return buffer.view(rows, in_features)
 
 
-def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` (..., in_features) float times dense int8 ``weight`` (out_features, in_features), each weight times its
-    float32 ``scale`` (one per output channel, 1-d, or per group of inputs of each output, (out_features, groups)),
-    plus float32 ``bias``; float in, float out."""
+def weight_only_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, *,
+                       input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * input_scale`` (``x`` alone without SmoothQuant's float32 ``input_scale``, one per input), ``x`` (...,
+    in_features) float, times dense int8 ``weight`` (out_features, in_features), each weight times its float32
+    ``scale`` (one per output channel, 1-d, or per group of inputs of each output, (out_features, groups)), plus
+    float32 ``bias``; float in, float out. The C loop multiplies by ``input_scale`` itself; the GEMM path first."""
     out_features, in_features = weight.shape
+    if x.shape[-1] != in_features:
+        raise ValueError(f"weight_only_linear: input of shape {tuple(x.shape)} for {in_features} input features")
+    if x.dtype == torch.float32 and x.numel() <= LOOP_ROWS * in_features and x.is_contiguous():
+        out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
+        if weight_only_into(out, x, weight, scale, bias, input_scale):
+            return out  # a decode step: one call, on the input as it lies
     rows = x.reshape(-1, in_features).to(torch.float32)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-    if rows.shape[0] > LOOP_ROWS or not weight_only_into(out, rows, weight, scale, bias):
+    if rows.shape[0] > LOOP_ROWS or not weight_only_into(out, rows, weight, scale, bias, input_scale):
+        if input_scale is not None:
+            rows = rows * input_scale
         step = max(1, BLOCK // in_features)
         for start in range(0, out_features, step):
             stop = min(start + step, out_features)

@@ -106,6 +106,17 @@ def _logits(output: Any) -> torch.Tensor:
                      "LM returning a tensor, an output with .logits, or a tuple with the logits first")
 
 
+def next_token_losses(output: Any, window: torch.Tensor) -> torch.Tensor:
+    """The float32 cross entropy of every next-token prediction of ``output`` (the logits, an output with
+    ``.logits`` or a tuple with the logits first) for the ``batch x seq_len`` token ids ``window``: position t
+    predicts token t + 1, so ``batch x (seq_len - 1)`` values, flattened."""
+    logits = _logits(output)
+    if logits.shape[:2] != window.shape or logits.dim() != 3:
+        raise InputError(f"logits of shape {tuple(logits.shape)} for token ids of shape {tuple(window.shape)}: "
+                         "perplexity needs a causal LM returning (batch, seq_len, vocab) logits")
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), window[:, 1:].flatten(), reduction="none")
+
+
 @torch.inference_mode()
 def perplexity(model: Callable[..., Any], windows: Sequence[torch.Tensor]) -> float:
     """exp of the mean next-token cross entropy over every position of every window (the logits at position t
@@ -119,11 +130,7 @@ def perplexity(model: Callable[..., Any], windows: Sequence[torch.Tensor]) -> fl
     total = torch.zeros((), dtype=torch.float64)
     count = 0
     for window in windows:
-        logits = _logits(model(window))
-        if logits.shape[:2] != window.shape:
-            raise InputError(f"logits of shape {tuple(logits.shape)} for a window of shape {tuple(window.shape)}: "
-                             "expected (batch, seq_len, vocab)")
-        losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), window[:, 1:].flatten(), reduction="none")
+        losses = next_token_losses(model(window), window)
         total += losses.double().sum()
         count += losses.numel()
     return math.exp(total.item() / count)

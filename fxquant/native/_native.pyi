@@ -29,8 +29,8 @@ _PatchWeights = tuple[int, int, int, int, int, int]  # w, colsum, bias, in_chann
 _PatchRequant = tuple[float, float, int, int]  # rcp, multiplier, zx, zo
 _PatchOutput = tuple[int, _Triple]  # data, strides (bytes)
 
-# weight_only.c: the three parts of WeightOnlyRows
-_FloatRows = tuple[int, int, int]  # x, rows, x_stride (floats)
+# weight_only.c: the three parts of WeightOnlyRows (int8_rows.c: Int8Rows starts with the same rows)
+_FloatRows = tuple[int, int, int, int]  # x, input_scale (0: none), rows, x_stride (floats)
 _Int8Weights = tuple[int, int, int, int, int, int]  # w, scale, bias (0: none), in_features, out_features, group
 _FloatOut = tuple[int, int]  # out, out_stride (floats)
 
@@ -48,7 +48,7 @@ def conv_u8(x: _ConvInput, window: _ConvWindow, weights: _GemmWeights, requant: 
 def patches_u8(x: _PatchInput, weights: _PatchWeights, requant: _PatchRequant, out: _PatchOutput,
                kernel: tuple[int, int], /) -> bool: ...
 def weight_only_f32(x: _FloatRows, weights: _Int8Weights, out: _FloatOut, /) -> None: ...
-def quantize_rows_s8(x: tuple[int, int, int, int], q_ptr: int, scale_ptr: int, /) -> None: ...
+def quantize_rows_s8(x: tuple[int, int, int, int, int], q_ptr: int, scale_ptr: int, /) -> None: ...
 def rescale_rows(acc: tuple[int, int, int], scales: tuple[int, int, int], out_ptr: int, /) -> None: ...
-def int8_rows_f32(rows: tuple[int, int, int], weights: tuple[int, int, int, int, int, int], out_ptr: int,
+def int8_rows_f32(rows: _FloatRows, weights: tuple[int, int, int, int, int, int], out_ptr: int,
                   /) -> bool: ...

@@ -38,12 +38,14 @@ if loops is not None:
     set_isa_cap(isa_cap(strict=False))
 
 
-# The thread rule. Every loop here runs on one thread, while the kernels they replace (fbgemm's, qnnpack's, torch's
-# element-wise ops) split their work across torch's intra-op threads. So each family runs only up to the largest
-# torch thread count at which it was measured faster than what it replaces, and yields to that kernel above it, at
-# any thread count (docs/amx.md "Threads" gives the measurements; scripts/bench_amx_layers.py --threads N).
+# The thread rule. The loops here run on one thread (except the dynamic and weight-only Linears' few-row loops and
+# the per-token quantize and rescale, which split their outputs over torch's OpenMP threads), while the kernels
+# they replace (fbgemm's, qnnpack's, torch's element-wise ops) split their work across torch's intra-op threads. So
+# each family runs only up to the largest torch thread count at which it was measured faster than what it replaces,
+# and yields to that kernel above it, at any thread count (docs/amx.md "Threads" gives the measurements;
+# scripts/bench_amx_layers.py and scripts/bench_llm_layers.py --threads N).
 THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "upsample": 1, "elementwise": 2, "histogram": 4,
-                 "weight_only": 2, "int8_rows": 1}
+                 "weight_only": 2, "int8_rows": 2}
 
 
 def loops_for(family: str = "elementwise") -> ModuleType | None:

@@ -1,7 +1,11 @@
 """Typed wrappers of the dynamic per-token INT8 loops: a row's quantize and the int32-to-float rescale around
 ``torch._int_mm`` (``fxquant/native/csrc/elementwise.c``, one pass each where torch takes one per step), and the
-few-row VNNI GEMM that replaces both ``torch._int_mm`` and the rescale on a decode step (``int8_rows.c``). Each
-gives the bytes of the torch path it replaces (:mod:`fxquant.kernels.per_token`)."""
+few-row VNNI Linear that replaces the quantize, ``torch._int_mm`` and the rescale on a decode step in one call
+(``int8_rows.c``). Each gives the bytes of the torch path it replaces (:mod:`fxquant.kernels.per_token`).
+
+Every call takes SmoothQuant's ``input_scale`` (the factor per input channel the rows are multiplied by before they
+are quantized) or None, so the multiply is not a separate torch op and pass.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +15,19 @@ from fxquant.native import loader
 from fxquant.native.loader import extension
 
 
-def quantize_rows_into(q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> bool:
+def _address(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.data_ptr()
+
+
+def quantize_rows_into(q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+                       input_scale: torch.Tensor | None = None) -> bool:
     """``q`` (dense int8, rows' shape) and ``scale`` (dense float32, one per row) from 2-d float32 ``rows`` with unit
-    column stride; False (nothing written) where the loops are off or the thread rule yields."""
+    column stride, times dense float32 ``input_scale`` (one per column) where given; False (nothing written) where
+    the loops are off or the thread rule yields."""
     if loader.loops_for("elementwise") is None:
         return False
-    extension.quantize_rows_s8((rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0)), q.data_ptr(),
-                               scale.data_ptr())
+    extension.quantize_rows_s8((rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), _address(input_scale)),
+                               q.data_ptr(), scale.data_ptr())
     return True
 
 
@@ -28,19 +38,21 @@ def rescale_rows_into(out: torch.Tensor, acc: torch.Tensor, row_scale: torch.Ten
     if loader.loops_for("elementwise") is None:
         return False
     extension.rescale_rows((acc.data_ptr(), acc.shape[0], acc.shape[1]),
-                           (row_scale.data_ptr(), col_scale.data_ptr(), 0 if bias is None else bias.data_ptr()),
-                           out.data_ptr())
+                           (row_scale.data_ptr(), col_scale.data_ptr(), _address(bias)), out.data_ptr())
     return True
 
 
-def int8_rows_into(out: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor, weight: torch.Tensor,
-                   weight_sums: torch.Tensor, col_scale: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Dense float32 ``out = (q @ weight.T) * row_scale[:, None] * col_scale + bias`` from dense int8 ``q`` and
-    ``weight`` (``weight_sums``: its int32 row sums); False (nothing written) without AVX512-VNNI, where the loops are
-    off or the thread rule yields (``loops_for("int8_rows")``)."""
+def int8_rows_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_sums: torch.Tensor,
+                   col_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None) -> bool:
+    """Dense float32 ``out = (q @ weight.T) * row_scale[:, None] * col_scale + bias``, where ``q, row_scale`` are
+    :func:`~fxquant.kernels.per_token.quantize_rows` of ``x * input_scale`` (``x`` alone without one): ``x`` float32
+    of any shape, dense (its rows: the last dimension), dense int8 ``weight`` (out_features, in_features) with its
+    int32 row sums ``weight_sums``, everything else dense float32. False (nothing written) without AVX512-VNNI, where
+    the loops are off or the thread rule yields (``loops_for("int8_rows")``)."""
     if loader.loops_for("int8_rows") is None:
         return False
-    return extension.int8_rows_f32((q.data_ptr(), row_scale.data_ptr(), q.shape[0]),
-                                   (weight.data_ptr(), weight_sums.data_ptr(), col_scale.data_ptr(),
-                                    0 if bias is None else bias.data_ptr(), weight.shape[1], weight.shape[0]),
-                                   out.data_ptr())
+    out_features, in_features = weight.shape
+    return extension.int8_rows_f32(
+        (x.data_ptr(), _address(input_scale), x.numel() // in_features, in_features),
+        (weight.data_ptr(), weight_sums.data_ptr(), col_scale.data_ptr(), _address(bias), in_features, out_features),
+        out.data_ptr())

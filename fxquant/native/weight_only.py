@@ -12,9 +12,11 @@ from fxquant.native.loader import extension
 
 
 class FloatRows(NamedTuple):
-    """The float32 inputs: address, rows and the row stride in floats."""
+    """The float32 inputs: address, SmoothQuant's factor per input channel that multiplies them first (dense float32;
+    address 0: none), rows and the row stride in floats."""
 
     data: int
+    input_scale: int
     rows: int
     stride: int
 
@@ -38,20 +40,28 @@ class FloatOut(NamedTuple):
     stride: int
 
 
+def _rows(t: torch.Tensor) -> tuple[int, int]:
+    """The rows of ``t`` (along its last dimension) and their stride in elements: a 2-d view's, or a dense tensor's
+    of any shape."""
+    return t.numel() // t.shape[-1], t.stride(0) if t.dim() == 2 else t.shape[-1]
+
+
 def weight_only_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None) -> bool:
-    """``out = x @ dequantized.T + bias`` for 2-d float32 ``x`` and ``out`` with unit column stride, dense int8
-    ``weight`` (out_features, in_features) and dense float32 ``scale``: one per output (1-d) or per group of inputs
-    of each output (out_features, groups; a group a multiple of 16 inputs), ``dequantized`` each weight times its
+                     bias: torch.Tensor | None, input_scale: torch.Tensor | None = None) -> bool:
+    """``out = (x * input_scale) @ dequantized.T + bias`` (``x`` alone without ``input_scale``) for float32 ``x``
+    and ``out``, each 2-d with unit column stride or dense of any shape (rows: the last dimension), dense int8
+    ``weight`` (out_features, in_features) and dense float32 ``scale``: one per output (1-d) or per group of inputs of
+    each output (out_features, groups; a group a multiple of 16 inputs), ``dequantized`` each weight times its
     scale; False (nothing written) where the loops are off or the thread rule yields
     (``loader.loops_for("weight_only")``)."""
     if loader.loops_for("weight_only") is None:
         return False
-    rows, in_features = x.shape
+    out_features, in_features = weight.shape
+    rows, x_stride = _rows(x)
     group = in_features // (scale.shape[1] if scale.dim() == 2 else 1)
     extension.weight_only_f32(
-        FloatRows(x.data_ptr(), rows, x.stride(0)),
+        FloatRows(x.data_ptr(), 0 if input_scale is None else input_scale.data_ptr(), rows, x_stride),
         Int8Weights(weight.data_ptr(), scale.data_ptr(), 0 if bias is None else bias.data_ptr(), in_features,
-                    weight.shape[0], group),
-        FloatOut(out.data_ptr(), out.stride(0)))
+                    out_features, group),
+        FloatOut(out.data_ptr(), _rows(out)[1]))
     return True

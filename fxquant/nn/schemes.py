@@ -43,10 +43,6 @@ class SchemeLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.register_buffer("input_scale", None)
 
-    def scaled(self, x: torch.Tensor) -> torch.Tensor:
-        """The input the int8 weight multiplies: ``x`` times :attr:`input_scale` where SmoothQuant set one."""
-        return x if self.input_scale is None else x * self.input_scale
-
     @classmethod
     def from_float(cls, linear: nn.Linear, weight: str) -> SchemeLinear:
         """The INT8 layer of ``linear`` with weights quantized by ``weight`` (``QuantConfig.weight``)."""
@@ -81,8 +77,8 @@ class DynamicInt8Linear(SchemeLinear):
         self.register_buffer("weight_sums", self.qweight.sum(dim=1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return per_token_linear(self.scaled(x), self.qweight.t(), self.weight_scale, self.bias,
-                                weight_sums=self.weight_sums)
+        return per_token_linear(x, self.qweight, self.weight_scale, self.bias, weight_sums=self.weight_sums,
+                                input_scale=self.input_scale)
 
 
 class WeightOnlyInt8Linear(SchemeLinear):
@@ -107,7 +103,7 @@ class WeightOnlyInt8Linear(SchemeLinear):
         return module
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return weight_only_linear(self.scaled(x), self.qweight, self.weight_scale, self.bias)
+        return weight_only_linear(x, self.qweight, self.weight_scale, self.bias, input_scale=self.input_scale)
 
 
 SCHEME_MODULES: dict[str, type[SchemeLinear]] = {"dynamic": DynamicInt8Linear,

@@ -22,7 +22,6 @@ from fxquant.nn.island import SURFACE_KEY, Island, Surface
 from fxquant.nn.schemes import SCHEME_MODULES, SchemeLinear
 from fxquant.passes._graph import modules_of, nodes_of, replace_submodule
 from fxquant.passes.meta import LAYER_SETTINGS
-from fxquant.passes.smoothquant_divide import ChannelScale
 
 
 def takes_scheme(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -67,9 +66,10 @@ def lower_schemes(gm: fx.GraphModule) -> fx.GraphModule:
 def unwrap_layer_islands(model: nn.Module) -> nn.Module:
     """Put each island of one Linear that became a float-in, float-out INT8 module in its place, bare (in place;
     returns ``model``): it reads and returns float like the Linear, answers what user code reads from one (see
-    :mod:`fxquant.nn.schemes`), and skips an island's graph walk, a large share of an LLM decode step. A SmoothQuant
-    ``ChannelScale`` in front goes into the module (``input_scale``); an island computing anything else stays, and
-    so do islands of transformers' ``Conv1D``: they give its transposed weight layout."""
+    :mod:`fxquant.nn.schemes`), and skips an island's graph walk, a large share of an LLM decode step. Run after
+    :func:`~fxquant.passes.fold_scales.fold_channel_scales`, which moves a SmoothQuant scale in front into the
+    module; an island computing anything else stays, and so do islands of transformers' ``Conv1D``: they give its
+    transposed weight layout."""
     for path, island in list(model.named_modules()):
         surface = island.meta.get(SURFACE_KEY) if isinstance(island, Island) else None
         if isinstance(surface, Surface) and surface.layer is not None and not surface.transposed:
@@ -81,16 +81,10 @@ def unwrap_layer_islands(model: nn.Module) -> nn.Module:
 
 def _bare_layer(island: fx.GraphModule, name: str) -> SchemeLinear | None:
     """The layer ``name`` of ``island``, a float-in, float-out INT8 Linear, if the island's graph is ``x ->
-    <name>(x)`` or ``x -> <name>(ChannelScale(x))`` (the scale then set as its ``input_scale``); else None."""
+    <name>(x)``; else None."""
     layer = island.get_submodule(name)
     computing = [node for node in island.graph.nodes if node.op not in ("placeholder", "output")]
-    if not isinstance(layer, SchemeLinear) or not computing or computing[-1].target != name or len(computing) > 2 \
-            or any(node.op != "call_module" or len(node.all_input_nodes) != 1 for node in computing) \
-            or computing[0].all_input_nodes[0].op != "placeholder":
+    if not isinstance(layer, SchemeLinear) or len(computing) != 1 or computing[0].target != name \
+            or [node.op for node in computing[0].all_input_nodes] != ["placeholder"]:
         return None
-    if len(computing) == 2:
-        scale = island.get_submodule(str(computing[0].target))
-        if not isinstance(scale, ChannelScale) or computing[1].all_input_nodes != [computing[0]]:
-            return None
-        layer.input_scale = scale.scale
     return layer

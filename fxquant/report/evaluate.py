@@ -82,7 +82,7 @@ def score(model: nn.Module, data: Iterable[Any], metric: Metric, params: list[st
         mean.add(metric_value(metric, _run(model, index, call, "evaluated"), target), _samples(target, call))
     if not mean.weight:
         raise InputError("eval_data yielded no batch; pass a non-empty iterable of (inputs, target) batches")
-    return mean.mean
+    return metric.finish(mean.mean)
 
 
 @torch.inference_mode()
@@ -111,6 +111,8 @@ def evaluate(float_model: nn.Module, quantized: nn.Module, data: Iterable[Any], 
                 probe.observe(*call)
     if first is None:
         raise InputError("eval_data yielded no batch; pass a non-empty iterable of (inputs, target) batches")
-    accuracy = Accuracy(plan.metric.name, scores["float"].mean, scores["quantized"].mean, meter.samples,
-                        plan.higher_is_better, plan.metric.points_per_unit)
+    finish = plan.metric.finish
+    accuracy = Accuracy(plan.metric.name, finish(scores["float"].mean), finish(scores["quantized"].mean),
+                        meter.samples, plan.higher_is_better and plan.metric.higher_is_better,
+                        plan.metric.points_per_unit)
     return Evaluation(accuracy, meter.result(), first, batch_size_of(*first))

@@ -68,6 +68,15 @@ def _layers(report: Report) -> str:
                    "note"], rows)
 
 
+def _budget_search(report: Report) -> str:
+    search = report.budget_search
+    if search is None:
+        return ""
+    rows = [[html.escape(cell) for cell in row] for row in search.rows()]
+    return (f"<h2>Accuracy-budget search (every trial)</h2><p>{html.escape(search.summary())}</p>"
+            f"{_table(search.header(), rows)}<p>{html.escape(search.verdict())}</p>")
+
+
 def _environment(report: Report) -> str:
     env = report.environment
     if env is None:
@@ -92,7 +101,7 @@ def render_html(report: Report) -> str:
         "<h2>Value ranges</h2>",
         _image(histogram_chart(report), "range histograms",
                "Weight and output histograms of the most sensitive layers."),
-        "<h2>Layers</h2>", _layers(report), _environment(report),
+        "<h2>Layers</h2>", _layers(report), _budget_search(report), _environment(report),
     ]
     body = "\n".join(p for p in parts if p)
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'

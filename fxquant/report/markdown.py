@@ -95,6 +95,9 @@ def _alone_or_in_model(layer: LayerReport) -> float | None:
 def _layers(report: Report) -> str:
     header = ["layer", "kind", "runs as", "backend", "SQNR (in model)", "SQNR (alone)", "weight range",
               "output range", "note"]
+    if not report.layers:
+        return ("No per-layer rows: they need the float model to trace as a whole, and this one runs as INT8 "
+                "islands inside its own code (`fxquant.coverage(qmodel, *inputs)` lists every layer).")
     lines = [table(header, [_layer_row(layer) for layer in report.layers])]
     ranked = report.ranking()[:_RANKED]
     if ranked:
@@ -113,9 +116,12 @@ def _environment(report: Report) -> str:
 
 
 def render_markdown(report: Report) -> str:
-    """The whole report: summary, latency per batch size, per-layer table, environment line."""
+    """The whole report: summary, latency per batch size, per-layer table, the accuracy-budget search's trials (when
+    one chose the model), environment line."""
     parts = [f"## fxquant report: {report.backend}, observer {report.observer}", _summary(report),
              "### Latency", _latency(report), "### Layers", _layers(report)]
+    if report.budget_search is not None:
+        parts += ["### Accuracy-budget search (every trial)", report.budget_search.to_markdown()]
     env = _environment(report)
     if env:
         parts += ["### Environment", env]

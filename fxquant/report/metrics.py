@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from fxquant.errors import ConfigError, InputError
+from fxquant.models.corpus import next_token_losses
 from fxquant.report.sections import TOPK_POINTS, Fidelity
 
 MetricFn = Callable[..., Any]
@@ -44,17 +45,34 @@ def top5(outputs: torch.Tensor, targets: torch.Tensor) -> float:
     return topk_accuracy(outputs, targets, 5)
 
 
-METRICS: dict[str, MetricFn] = {"top1": top1, "top5": top5}
+def next_token_nll(outputs: Any, targets: torch.Tensor) -> float:
+    """Mean next-token negative log-likelihood (nats) of a causal LM's logits for the token ids ``targets`` (the
+    batch's own ``input_ids``): the per-batch value the ``perplexity`` metric averages before its ``exp``."""
+    return float(next_token_losses(outputs, targets).double().mean())
+
+
+METRICS: dict[str, MetricFn] = {"top1": top1, "top5": top5, "perplexity": next_token_nll}
+
+
+def _identity(value: float) -> float:
+    return value
 
 
 @dataclass(frozen=True)
 class Metric:
-    """A metric resolved from a name or a callable: how to call it and how to compare its values."""
+    """A metric resolved from a name or a callable: how to call it and how to compare its values.
+
+    ``finish`` maps the sample-weighted mean of the per-batch values to the reported value: ``exp`` for perplexity,
+    whose per-batch value is the mean next-token NLL (every window of a text has the same number of tokens, so the
+    sample-weighted mean is the mean over tokens). ``higher_is_better`` is False for perplexity and losses.
+    """
 
     name: str
     fn: MetricFn
     needs_target: bool
     points_per_unit: float = 1.0
+    higher_is_better: bool = True
+    finish: Callable[[float], float] = _identity
 
 
 def _required_positional(fn: MetricFn) -> int:
@@ -69,11 +87,13 @@ def _required_positional(fn: MetricFn) -> int:
 
 
 def resolve_metric(metric: str | MetricFn) -> Metric:
-    """``"top1"``/``"top5"`` or a callable ``metric(outputs, targets)`` / ``metric(outputs)``."""
+    """``"top1"``/``"top5"``/``"perplexity"`` or a callable ``metric(outputs, targets)`` / ``metric(outputs)``."""
     if isinstance(metric, str):
         if metric not in METRICS:
             raise ConfigError(f"unknown metric {metric!r}; use one of {', '.join(METRICS)} or pass a callable "
                               "metric(outputs, targets) -> float")
+        if metric == "perplexity":
+            return Metric(metric, METRICS[metric], needs_target=True, higher_is_better=False, finish=math.exp)
         return Metric(metric, METRICS[metric], needs_target=True, points_per_unit=TOPK_POINTS)
     if not callable(metric):
         raise ConfigError(f"metric must be a name ({', '.join(METRICS)}) or a callable, got {type(metric).__name__}")

@@ -5,6 +5,8 @@ Units of the limits:
 * ``max_accuracy_drop``: metric points the quantized metric may lose against the baseline's quantized metric.
   For ``top1``/``top5`` (stored as fractions) a point is a percentage point: ``0.5`` allows 97.8% -> 97.3%. For a
   custom metric a point is one unit of the metric itself.
+* ``max_relative_drop``: percent by which the quantized metric may be worse than the baseline's quantized metric,
+  in the metric's own direction: ``1`` allows a perplexity of 22.36 -> 22.58, or a top-1 of 80% -> 79.2%.
 * ``max_latency_increase``: percent. By default the *speed-up ratios* are compared (float and int8 were timed side
   by side in each run, so the ratio survives a different or busier machine): increase = baseline speed-up / new
   speed-up - 1. With ``absolute_latency=True`` the int8 median milliseconds are compared instead.
@@ -27,6 +29,7 @@ from fxquant.report.schema import Report
 from fxquant.report.sections import LatencyPoint
 
 EXIT_OK, EXIT_REGRESSION, EXIT_BAD_INPUT = 0, 1, 2
+WORSE = "% worse"  # the unit of the relative accuracy row: percent worse in the metric's own direction
 ReportSource = Report | Mapping[str, Any] | str | Path
 
 
@@ -39,6 +42,7 @@ class Limits:
     max_size_increase: float | None = None
     min_sqnr: float | None = None
     absolute_latency: bool = False
+    max_relative_drop: float | None = None
 
 
 @dataclass(frozen=True)
@@ -72,7 +76,7 @@ def _fmt(value: float, unit: str, *, signed: bool = False) -> str:
         return f"{value:{sign},.0f} B"
     if unit == "x":
         return f"{value:{sign}.2f}x"
-    if unit == "%":
+    if unit in ("%", WORSE):
         return f"{value:{sign}.2f}%"
     return f"{value:{sign}.2f} {unit}" if unit else f"{value:{sign}.4g}"
 
@@ -81,6 +85,8 @@ def _limit_text(row: Row) -> str:
     assert row.limit is not None
     if row.unit == "dB":
         return f">= {row.limit:g} dB"
+    if row.unit == WORSE:
+        return f"<= {row.limit:g}% worse"
     what = "drop" if row.unit == "pts" else "increase"
     suffix = "%" if row.unit == "%" else f" {row.unit}".rstrip()
     return f"{what} <= {row.limit:g}{suffix}"
@@ -144,7 +150,13 @@ def _accuracy_rows(new: Report, base: Report, limits: Limits) -> list[Row]:
                     _check(drop, limits.max_accuracy_drop, upper=True))
     floating = Row(f"{acc.metric} (float)", old.float_value * points, acc.float_value * points,
                    (acc.float_value - old.float_value) * points, None, unit, value_unit, None)
-    return [quantized, floating]
+    if limits.max_relative_drop is None:
+        return [quantized, floating]
+    worse = _increase_pct(old.quantized_value, acc.quantized_value) * (-1 if acc.higher_is_better else 1)
+    relative = Row(f"{acc.metric} (int8, relative)", old.quantized_value * points, acc.quantized_value * points,
+                   worse, limits.max_relative_drop, WORSE, value_unit,
+                   _check(worse, limits.max_relative_drop, upper=True))
+    return [quantized, relative, floating]
 
 
 def _latency_points(new: Report, base: Report) -> tuple[LatencyPoint, LatencyPoint]:
@@ -186,9 +198,11 @@ def _sqnr_row(new: Report, base: Report, limits: Limits) -> Row | None:
 
 def compare(new: ReportSource, baseline: ReportSource, *, max_accuracy_drop: float | None = None,
             max_latency_increase: float | None = None, max_size_increase: float | None = None,
-            min_sqnr: float | None = None, absolute_latency: bool = False) -> Result:
+            min_sqnr: float | None = None, absolute_latency: bool = False,
+            max_relative_drop: float | None = None) -> Result:
     """Compare ``new`` with ``baseline`` under the limits (units in the module docstring); None skips a check."""
-    limits = Limits(max_accuracy_drop, max_latency_increase, max_size_increase, min_sqnr, absolute_latency)
+    limits = Limits(max_accuracy_drop, max_latency_increase, max_size_increase, min_sqnr, absolute_latency,
+                    max_relative_drop)
     new_report, base_report = load_report(new, "new report"), load_report(baseline, "baseline report")
     old_size, new_size = base_report.size.quantized_bytes, new_report.size.quantized_bytes
     size_increase = _increase_pct(old_size, new_size)
@@ -221,6 +235,8 @@ def add_regress_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", required=True, metavar="OLD_REPORT.json", help="report to compare against")
     parser.add_argument("--max-accuracy-drop", type=float, metavar="PTS",
                         help="metric points the int8 metric may lose (percentage points for top1/top5)")
+    parser.add_argument("--max-relative-drop", type=float, metavar="PCT",
+                        help="percent the int8 metric may be worse, in its own direction (perplexity: increase)")
     parser.add_argument("--max-latency-increase", type=float, metavar="PCT",
                         help="percent latency increase allowed (speed-up ratios unless --absolute-latency)")
     parser.add_argument("--max-size-increase", type=float, metavar="PCT", help="percent int8 size growth allowed")
@@ -233,7 +249,8 @@ def run_regress(args: argparse.Namespace) -> int:
     """Print the comparison table; return 1 when a limit is crossed, else 0 (``ArtifactError`` on bad input)."""
     result = compare(args.new, args.baseline, max_accuracy_drop=args.max_accuracy_drop,
                      max_latency_increase=args.max_latency_increase, max_size_increase=args.max_size_increase,
-                     min_sqnr=args.min_sqnr, absolute_latency=args.absolute_latency)
+                     min_sqnr=args.min_sqnr, absolute_latency=args.absolute_latency,
+                     max_relative_drop=args.max_relative_drop)
     print(result.to_table())
     return EXIT_OK if result.passed else EXIT_REGRESSION
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 from fxquant.errors import ArtifactError
 from fxquant.report._validate import items, read, section
 from fxquant.report.sections import Accuracy, Environment, Fidelity, Latency, LayerReport, Size
+from fxquant.report.trials import BudgetTrials
 
 SCHEMA_VERSION = 1
 
@@ -44,6 +45,7 @@ class Report:
     layers: tuple[LayerReport, ...]
     fidelity: Fidelity | None = None
     environment: Environment | None = None
+    budget_search: BudgetTrials | None = None  # the accuracy-budget search's trials, when one chose the model
 
     def ranking(self) -> list[LayerReport]:
         """Quantized layers from most to least sensitive: lowest isolated SQNR first (cumulative if absent)."""
@@ -67,6 +69,8 @@ class Report:
             data["fidelity"] = self.fidelity.to_dict()
         if self.environment is not None:
             data["environment"] = self.environment.to_dict()
+        if self.budget_search is not None:
+            data["budget_search"] = self.budget_search.to_dict()
         return data
 
     @classmethod
@@ -92,6 +96,7 @@ class Report:
 
         fidelity = section(data, "fidelity", "report", required=False)
         environment = section(data, "environment", "report", required=False)
+        search = section(data, "budget_search", "report", required=False)
         layers = items(data, "layers", "report")
         return cls(
             backend=read(data, "backend", str, "report"), observer=read(data, "observer", str, "report"),
@@ -100,6 +105,7 @@ class Report:
             layers=tuple(LayerReport.from_dict(layer, f"layers[{i}]") for i, layer in enumerate(layers)),
             fidelity=None if fidelity is None else Fidelity.from_dict(fidelity),
             environment=None if environment is None else Environment.from_dict(environment),
+            budget_search=None if search is None else BudgetTrials.from_dict(search),
         )
 
     def to_json(self, path: str | Path | None = None) -> str:

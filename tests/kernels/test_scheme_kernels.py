@@ -2,8 +2,9 @@
 
 - ``quantize_rows`` (dynamic per-token activations): its properties (range, one 127 per row, error within half a
   step, zero rows), with the C loops and without them.
-- ``per_token_linear`` (dynamic W8A8) bit for bit against integer sums made in float64 from the same int8 rows
-  (exact: every sum here is an integer far below 2**53) and then the kernel's float32 steps in the kernel's order.
+- ``per_token_linear`` (dynamic W8A8) bit for bit against rows quantized in torch's steps (times SmoothQuant's input
+  scale, where there is one), integer sums made in float64 from them (exact: every sum here is an integer far below
+  2**53) and then the kernel's float32 steps in the kernel's order.
 - The weight-only C loop (``weight_only_into``), on its AVX-512 and AVX2 paths, and ``weight_only_linear``'s
   dequantize-in-blocks path, against a float64 reference within what float32 accumulation can be off by
   (:func:`_tolerance` says why).
@@ -81,28 +82,42 @@ def test_quantize_rows_zero_row() -> None:
     assert int(q[0].abs().max()) == 127 and int(q[2].abs().max()) == 127  # the other rows are unaffected
 
 
-def test_quantize_rows_c_loop_gives_the_torch_bytes() -> None:
-    """The C pass (where the loops run) against torch's steps: the same int8 rows and the same scales."""
-    require_c_loops()
+def _torch_quantized_rows(rows: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8 of ``rows * input_scale`` in torch's steps, written out here (not fxquant's code)."""
+    rows = rows if input_scale is None else rows * input_scale
+    scale = rows.abs().amax(dim=1, keepdim=True).div(127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.div(rows, scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def _input_scale(in_features: int, gen: torch.Generator, smoothed: bool) -> torch.Tensor | None:
+    """SmoothQuant's 1/s per input channel: factors over two decades, as an LLM's smoothing spreads them."""
+    return torch.logspace(-1, 1, in_features)[torch.randperm(in_features, generator=gen)] if smoothed else None
+
+
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_quantize_rows_c_loop_gives_the_torch_bytes(loop_path: str, smoothed: bool) -> None:
+    """The C pass (where the loops run, on its AVX-512 and its compiler-vectorized path) against torch's steps: the
+    same int8 rows and the same scales, with and without SmoothQuant's input scale applied in the pass."""
     x = torch.randn(6, 77)
     x[2] = 0.0
     wide = torch.randn(6, 100)
     wide[:, :77] = x
+    input_scale = _input_scale(77, torch.Generator().manual_seed(10), smoothed)
     for rows in (x, wide[:, :77]):  # dense, and rows further apart than their width
         q, scale = torch.empty(rows.shape, dtype=torch.int8), torch.empty(6, 1)
         with loop_threads("elementwise"):
-            assert quantize_rows_into(q, scale, rows), "the C loop did not run"
-        want_scale = rows.abs().amax(dim=1, keepdim=True).div(127.0).clamp(min=torch.finfo(torch.float32).tiny)
-        want_q = torch.div(rows, want_scale).round().clamp(-127, 127).to(torch.int8)
+            assert quantize_rows_into(q, scale, rows, input_scale), "the C loop did not run"
+        want_q, want_scale = _torch_quantized_rows(rows, input_scale)
         assert torch.equal(scale, want_scale) and torch.equal(q, want_q)
 
 
 # --- per_token_linear ---------------------------------------------------------------------------------------------
 def _per_token_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                         bias: torch.Tensor | None) -> torch.Tensor:
-    """Integer sums in float64 (exact: |sum| <= K * 127 * 128 < 2**53), rounded to float32 as an int32 would be, then
-    ``acc * row_scale * weight_scale + bias`` in float32 in that order."""
-    q, scale = quantize_rows(x.reshape(-1, weight.shape[1]).to(torch.float32))
+                         bias: torch.Tensor | None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows (times ``input_scale``) quantized in torch's steps, integer sums in float64 (exact: |sum| <= K * 127
+    * 128 < 2**53), rounded to float32 as an int32 would be, then ``acc * row_scale * weight_scale + bias`` in
+    float32 in that order."""
+    q, scale = _torch_quantized_rows(x.reshape(-1, weight.shape[1]).to(torch.float32), input_scale)
     acc = (q.double() @ weight.double().t()).to(torch.float32)
     out = acc * scale * weight_scale
     if bias is not None:
@@ -118,17 +133,19 @@ PER_TOKEN_SHAPES = [((1, 64), 32), ((5, 33), 17), ((3, 1), 9), ((1, 1), 1), ((9,
 @pytest.mark.parametrize(("x_shape", "out_features"), PER_TOKEN_SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("with_sums", [True, False], ids=["weight_sums", "no_sums"])
+@pytest.mark.parametrize("smoothed", [False, True], ids=["plain", "smoothed"])
 def test_per_token_linear_is_exact(x_shape: tuple[int, ...], out_features: int, with_bias: bool,
-                                   with_sums: bool) -> None:
+                                   with_sums: bool, smoothed: bool) -> None:
     gen = torch.Generator().manual_seed(sum(x_shape) * out_features)
     x = torch.randn(x_shape, generator=gen) * 3
     weight, scale = _int8_weights(out_features, x_shape[-1], gen)
     bias = _bias(out_features, gen, with_bias)
     sums = weight.sum(dim=1, dtype=torch.int32) if with_sums else None
+    input_scale = _input_scale(x_shape[-1], gen, smoothed)
     with loop_threads("int8_rows"):
-        got = per_token_linear(x, weight.t(), scale, bias, weight_sums=sums)
+        got = per_token_linear(x, weight, scale, bias, weight_sums=sums, input_scale=input_scale)
     assert got.shape == (*x_shape[:-1], out_features) and got.dtype == torch.float32
-    assert torch.equal(got, _per_token_reference(x, weight, scale, bias))
+    assert torch.equal(got, _per_token_reference(x, weight, scale, bias, input_scale))
 
 
 def test_per_token_linear_zero_row_gives_the_bias() -> None:
@@ -136,7 +153,7 @@ def test_per_token_linear_zero_row_gives_the_bias() -> None:
     x[1] = 0.0
     weight, scale = _int8_weights(12, 40, torch.Generator().manual_seed(1))
     bias = torch.randn(12)
-    got = per_token_linear(x, weight.t(), scale, bias)
+    got = per_token_linear(x, weight, scale, bias, weight_sums=weight.sum(dim=1, dtype=torch.int32))
     assert not bool(got.isnan().any())
     assert torch.equal(got[1], bias)
 
@@ -146,19 +163,21 @@ def test_per_token_linear_bfloat16_in_bfloat16_out(x_shape: tuple[int, ...]) -> 
     x = torch.randn(x_shape).to(torch.bfloat16)
     weight, scale = _int8_weights(20, 48, torch.Generator().manual_seed(2))
     bias = torch.randn(20)
-    got = per_token_linear(x, weight.t(), scale, bias)
+    got = per_token_linear(x, weight, scale, bias, weight_sums=weight.sum(dim=1, dtype=torch.int32))
     assert got.dtype == torch.bfloat16 and got.shape == (*x_shape[:-1], 20)
     assert torch.equal(got, _per_token_reference(x, weight, scale, bias))
 
 
 def test_per_token_c_loops_run_and_give_the_torch_bytes() -> None:
-    """The rescale pass and the few-row VNNI GEMM, called directly: they ran, and wrote the reference's bytes."""
+    """The rescale pass and the few-row VNNI Linear (quantize, sums and rescale in one call), called directly: they
+    ran, and wrote the reference's bytes."""
     require_c_loops()
     gen = torch.Generator().manual_seed(3)
     rows = per_token_kernel.LOOP_ROWS
     x = torch.randn(rows, 131, generator=gen)
     weight, scale = _int8_weights(21, 131, gen)
     bias = torch.randn(21, generator=gen)
+    input_scale = _input_scale(131, gen, True)
     q, row_scale = quantize_rows(x)
     want = _per_token_reference(x, weight, scale, bias)
     acc = (q.double() @ weight.double().t()).to(torch.int32)
@@ -168,11 +187,13 @@ def test_per_token_c_loops_run_and_give_the_torch_bytes() -> None:
     assert torch.equal(out, want)
     if "avx512_vnni" not in _cpu_flags() or isa_cap() < ISA_LEVELS.index("vnni"):
         pytest.skip("the VNNI rows loop needs AVX512-VNNI, which this CPU (or FXQUANT_ISA) does not allow")
-    out = torch.full((rows, 21), float("nan"))
-    with loop_threads("int8_rows"):
-        ran = int8_rows_into(out, q, row_scale, weight, weight.sum(dim=1, dtype=torch.int32), scale, bias)
-    assert ran, "the VNNI rows loop did not run on a CPU with AVX512-VNNI"
-    assert torch.equal(out, want)
+    sums = weight.sum(dim=1, dtype=torch.int32)
+    for smoothing in (None, input_scale):  # the quantize, VNNI sums and rescale of one call, then SmoothQuant's too
+        out = torch.full((rows, 21), float("nan"))
+        with loop_threads("int8_rows"):
+            ran = int8_rows_into(out, x, weight, sums, scale, bias, smoothing)
+        assert ran, "the VNNI rows loop did not run on a CPU with AVX512-VNNI"
+        assert torch.equal(out, _per_token_reference(x, weight, scale, bias, smoothing))
 
 
 def test_per_token_linear_takes_the_vnni_rows_loop(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,9 +215,41 @@ def test_per_token_linear_takes_the_vnni_rows_loop(monkeypatch: pytest.MonkeyPat
     for rows in (1, loop_rows, loop_rows + 1):
         x = torch.randn(rows, 70, generator=gen)
         with loop_threads("int8_rows"):
-            got = per_token_linear(x, weight.t(), scale, None, weight_sums=sums)
+            got = per_token_linear(x, weight, scale, None, weight_sums=sums)
         assert torch.equal(got, _per_token_reference(x, weight, scale, None)), rows
     assert returned == [True, True], returned  # the loop for 1 and LOOP_ROWS rows, not for one row more
+
+
+def _at_threads(threads: int, fn: Any) -> Any:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 600])  # a decode step (the few-row loops) and a prefill (quantize, rescale)
+def test_loops_split_over_threads_give_the_one_thread_bytes(rows: int) -> None:
+    """The loops split their outputs (or rows) over torch's OpenMP threads where the work is large enough: at two
+    threads each output is still one thread's arithmetic, so the bytes are the one-thread bytes (and the dynamic
+    ones the exact reference's)."""
+    require_c_loops()
+    if min(native.THREAD_LIMITS[family] for family in ("int8_rows", "weight_only", "elementwise")) < 2:
+        pytest.skip("a thread limit keeps the loops off at two threads")
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(rows, 576, generator=gen)
+    weight, scale = _int8_weights(200, 576, gen)  # 115200 weights: enough to be split
+    group_scale = torch.rand(200, 9, generator=gen) * 0.02 + 1e-3
+    sums, input_scale = weight.sum(dim=1, dtype=torch.int32), _input_scale(576, gen, True)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        dynamic = per_token_linear(x, weight, scale, None, weight_sums=sums, input_scale=input_scale)
+        return dynamic, weight_only_linear(x, weight, group_scale, None, input_scale=input_scale)
+
+    one, two = _at_threads(1, run), _at_threads(2, run)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    assert torch.equal(two[0], _per_token_reference(x, weight, scale, None, input_scale))
 
 
 # --- weight-only --------------------------------------------------------------------------------------------------
@@ -283,6 +336,21 @@ def test_weight_only_loop_with_a_scale_per_group(loop_path: str, rows: int, in_f
     _assert_close(out, x, weight, scale, None)
     gemm = weight_only_linear(x.repeat(LOOP_ROWS + 1, 1), weight, scale, None)[:rows]  # above LOOP_ROWS: the GEMM
     _assert_close(gemm, x, weight, scale, None)
+
+
+@pytest.mark.parametrize("rows", [1, LOOP_ROWS, LOOP_ROWS + 1])  # the loop, and the GEMM above LOOP_ROWS
+def test_weight_only_linear_smoothed(loop_path: str, rows: int) -> None:
+    """SmoothQuant's input scale multiplies the rows first (in the C loop, or before the GEMM): the result is the
+    float64 reference's on the float32 products ``x * input_scale``, as torch's mul rounds them."""
+    gen = torch.Generator().manual_seed(11 + rows)
+    x = torch.randn(rows, 192, generator=gen)
+    weight, _ = _int8_weights(30, 192, gen)
+    scale = torch.rand(30, 3, generator=gen) * 0.02 + 1e-3
+    input_scale = _input_scale(192, gen, True)
+    bias = torch.randn(30, generator=gen)
+    with loop_threads("weight_only"):
+        got = weight_only_linear(x, weight, scale, bias, input_scale=input_scale)
+    _assert_close(got, x * input_scale, weight, scale, bias)
 
 
 def test_weight_only_loop_strided_rows_and_outputs(loop_path: str) -> None:
@@ -423,4 +491,4 @@ def test_per_token_linear_is_exact_where_int_mm_is_not(monkeypatch: pytest.Monke
     x = torch.randn(5, in_features, generator=gen) * 3
     weight, scale = _int8_weights(11, in_features, gen)
     weight[:, :2] = -128  # the largest products the sums can meet
-    assert torch.equal(per_token_linear(x, weight.t(), scale, None), _per_token_reference(x, weight, scale, None))
+    assert torch.equal(per_token_linear(x, weight, scale, None), _per_token_reference(x, weight, scale, None))

@@ -38,6 +38,7 @@ from torch import nn
 import fxquant
 from fxquant.kernels.onednn.weights import CALLS_PER_WEIGHT
 from fxquant.nn.quantized import QuantizedLinear
+from fxquant.nn.schemes import SchemeLinear
 
 pytest.importorskip("transformers", reason="the optional 'transformers' extra is not installed")
 
@@ -57,20 +58,39 @@ class Decoder:
     name: str
     model: nn.Module  # the user's float model, after prepare, calibrate and convert ran on it
     qmodel: nn.Module  # what convert returned; every test of the module runs it
+    head_input: list[float]  # dynamic scheme: the largest |value| the output layer's input held so far
 
 
 def _params() -> list[Any]:
-    return [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow, id=name) for name in DECODERS]
+    """Each decoder with the default config (``scheme="auto"``: dynamic per-token for the decoder-only ones), and the
+    default ones with static W8A8 too."""
+    params = [pytest.param((name, "auto"), marks=() if name in DEFAULT else pytest.mark.slow, id=name)
+              for name in DECODERS]
+    static = sorted(DEFAULT - ENCODER_DECODER)
+    return params + [pytest.param((name, "static"), id=f"{name}-static") for name in static]
+
+
+def _int8_head(qmodel: nn.Module) -> nn.Module:
+    (head,) = [m for m in qmodel.get_output_embeddings().modules() if isinstance(m, (QuantizedLinear, SchemeLinear))]
+    return head
 
 
 @pytest.fixture(scope="module", params=_params())
 def decoder(request: pytest.FixtureRequest) -> Iterator[Decoder]:
-    name = str(request.param)
+    name, scheme = request.param
     model = hf_zoo.build(name)
     data = hf_zoo.batches(name, 4)
-    prepared = fxquant.prepare(model, hf_zoo.positional(model, data[0]))
+    prepared = fxquant.prepare(model, hf_zoo.positional(model, data[0]), fxquant.QuantConfig(scheme=scheme))
     fxquant.calibrate(prepared, data, progress=False)
-    yield Decoder(name, model, fxquant.convert(prepared))
+    qmodel = fxquant.convert(prepared)
+    head_input = [0.0]
+
+    def record(_: nn.Module, args: tuple[Any, ...]) -> None:
+        head_input[0] = max(head_input[0], float(args[0].abs().max()))
+
+    handle = _int8_head(qmodel).register_forward_pre_hook(record)
+    yield Decoder(name, model, qmodel, head_input)
+    handle.remove()
 
 
 def _prompt(length: int, seed: int = 0) -> torch.Tensor:
@@ -120,16 +140,18 @@ def _assert_equal_logits(ours: torch.Tensor, theirs: torch.Tensor, what: str) ->
                               f"{(ours - theirs).abs().max().item():.3g} (see the module docstring)")
 
 
-def _one_step_of_the_output_layer(qmodel: nn.Module) -> float:
+def _one_step_of_the_output_layer(decoder: Decoder) -> float:
     """The most a logit moves when every INT8 input of the output layer moves by one quantization step: the input
-    scale times the largest L1 norm of a weight row."""
-    (head,) = [m for m in qmodel.get_output_embeddings().modules() if isinstance(m, QuantizedLinear)]
-    return head.in_qp.scalar()[0] * head.dequantized_weight().abs().sum(dim=1).max().item()
+    scale times the largest L1 norm of a weight row. A per-token (dynamic) input's scale is its row's largest
+    |value| / 127, at most the largest |value| any row held / 127."""
+    head = _int8_head(decoder.qmodel)
+    scale = head.in_qp.scalar()[0] if isinstance(head, QuantizedLinear) else decoder.head_input[0] / 127
+    return scale * head.dequantized_weight().abs().sum(dim=1).max().item()
 
 
-def _assert_logits_within_a_step(ours: torch.Tensor, theirs: torch.Tensor, qmodel: nn.Module, what: str) -> None:
+def _assert_logits_within_a_step(ours: torch.Tensor, theirs: torch.Tensor, decoder: Decoder, what: str) -> None:
     assert ours.shape == theirs.shape, f"{what}: logits {tuple(ours.shape)} vs {tuple(theirs.shape)}"
-    moved, step = (ours - theirs).abs().max().item(), _one_step_of_the_output_layer(qmodel)
+    moved, step = (ours - theirs).abs().max().item(), _one_step_of_the_output_layer(decoder)
     differ = int((ours != theirs).sum())
     assert moved <= step, (f"{what}: {differ} of {ours.numel()} logits differ, by up to {moved:.3g}; one step of the "
                            f"output layer's inputs moves them by up to {step:.3g} (see the module docstring)")
@@ -147,7 +169,7 @@ def test_the_int8_model_is_the_users_class_with_its_config_and_generate(decoder:
     assert qmodel.config.to_dict() == model.config.to_dict()
     assert qmodel.generation_config.to_dict() == model.generation_config.to_dict()
     head = qmodel.get_output_embeddings()
-    assert any(isinstance(module, QuantizedLinear) for module in head.modules()), \
+    assert any(isinstance(module, (QuantizedLinear, SchemeLinear)) for module in head.modules()), \
         f"{decoder.name}: the output layer is not INT8: {head}"
 
 
@@ -160,7 +182,7 @@ def test_greedy_with_the_cache_gives_the_tokens_of_greedy_without_it(decoder: De
     uncached = _generate(decoder.name, decoder.qmodel, prompt, use_cache=False)
     assert torch.equal(cached.sequences, uncached.sequences), \
         f"{decoder.name}: with cache {cached.sequences.tolist()}, without {uncached.sequences.tolist()}"
-    _assert_logits_within_a_step(_logits(cached), _logits(uncached), decoder.qmodel,
+    _assert_logits_within_a_step(_logits(cached), _logits(uncached), decoder,
                                  f"{decoder.name}, with cache vs without")
 
 
@@ -220,7 +242,7 @@ def test_a_left_padded_batch_gives_each_prompt_its_continuation_alone(decoder: D
         for row, single in enumerate(alone):
             ours, theirs = batch.sequences[row, -NEW:], single.sequences[0, -NEW:]
             assert torch.equal(ours, theirs), f"{decoder.name}, row {row} {what}: {ours.tolist()}, alone {theirs}"
-            _assert_logits_within_a_step(_logits(batch, row), _logits(single), qmodel,
+            _assert_logits_within_a_step(_logits(batch, row), _logits(single), decoder,
                                          f"{decoder.name}, row {row} {what} vs alone")
 
 

@@ -40,11 +40,11 @@ def _params() -> list[Any]:
 
 
 @functools.cache
-def _converted(name: str) -> tuple[Any, Any, tuple[Any, ...], tuple[Any, ...], Any]:
+def _converted(name: str, scheme: str = "auto") -> tuple[Any, Any, tuple[Any, ...], tuple[Any, ...], Any]:
     model = hf_zoo.build(name)
     data = hf_zoo.batches(name, 4)
     example = hf_zoo.positional(model, data[0])
-    prepared = fxquant.prepare(model, example)
+    prepared = fxquant.prepare(model, example, fxquant.QuantConfig(scheme=scheme))
     fxquant.calibrate(prepared, data, progress=False)
     fresh = hf_zoo.positional(model, hf_zoo.batches(name, 1, seed=100)[0])
     return fxquant.convert(prepared), fxquant.convert(prepared, backend="reference"), example, fresh, model
@@ -79,7 +79,9 @@ def test_pt2_is_the_reference_backend_bit_for_bit(name: str, tmp_path: Path) -> 
 
 @pytest.mark.parametrize("name", _params())
 def test_onnx_runs_on_ort_int8_kernels_as_close_as_onednn(name: str, tmp_path: Path) -> None:
-    qmodel, reference, example, fresh, model = _converted(name)
+    """Static W8A8 (the default everywhere but decoder-only LMs, named here for those), whose QDQ ONNX runs on ORT's
+    INT8 kernels; the dynamic scheme the decoders default to exports as .pt2 (the next test)."""
+    qmodel, reference, example, fresh, model = _converted(name, "static")
     if name in ONNX_CANNOT:
         with pytest.raises(ArtifactError, match=r"torch.onnx cannot express this model: .*modeling_"):
             fxquant.export(qmodel, tmp_path / "model.onnx", example_inputs=example)
@@ -109,3 +111,11 @@ def test_onnx_runs_on_ort_int8_kernels_as_close_as_onednn(name: str, tmp_path: P
     int8_db = _sqnr(float_out, expected)
     assert ort_db >= min(onednn_db - 3.0, int8_db + 6.0), \
         f"{name}: ORT {ort_db:.1f} dB from the reference, onednn {onednn_db:.1f}, INT8 from float {int8_db:.1f}"
+
+
+def test_onnx_of_a_decoders_default_dynamic_scheme_names_the_pt2_format(tmp_path: Path) -> None:
+    qmodel, _, example, _, _ = _converted("llama")
+    assert fxquant.state.quant_state(fxquant.state.graph_of(qmodel)).config.scheme == "dynamic"
+    with pytest.raises(ArtifactError, match=r"torch.onnx cannot express this model.*format='export'"):
+        fxquant.export(qmodel, tmp_path / "model.onnx", example_inputs=example)
+    assert not (tmp_path / "model.onnx").exists()

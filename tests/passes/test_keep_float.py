@@ -31,8 +31,9 @@ def _int8_modules(qmodel: torch.nn.Module) -> Counter[str]:
     return Counter(type(m).__name__ for m in graph_of(qmodel).modules() if isinstance(m, _BackendModule))
 
 
-def _calibrated(model: torch.nn.Module, example: tuple[Any, ...], data: list[Any]) -> Any:
-    prepared = fxquant.prepare(model, example)
+def _calibrated(model: torch.nn.Module, example: tuple[Any, ...], data: list[Any],
+                config: fxquant.QuantConfig | None = None) -> Any:
+    prepared = fxquant.prepare(model, example, config)
     fxquant.calibrate(prepared, data, progress=False)
     return prepared
 
@@ -73,10 +74,11 @@ def test_everything_kept_float_is_the_prepared_hf_model(hf_zoo: Any, name: str) 
 
 def test_a_float_mlp_takes_its_product_along_and_attention_stays_int8(hf_zoo: Any) -> None:
     """Llama's SwiGLU MLPs kept float: ``act(gate) * up`` was INT8 (a QuantizedMul) only because gate/up/down were;
-    it goes float with them, while every attention projection and the LM head stay INT8."""
+    it goes float with them, while every attention projection and the LM head stay INT8. Static W8A8 (named: a
+    decoder's default is dynamic, whose layers read and return float, so no product between them is INT8)."""
     model = hf_zoo.build("llama")
     data = hf_zoo.batches("llama", 2)
-    prepared = _calibrated(model, hf_zoo.positional(model, data[0]), data)
+    prepared = _calibrated(model, hf_zoo.positional(model, data[0]), data, fxquant.QuantConfig(scheme="static"))
     assert _int8_modules(fxquant.convert(prepared))["QuantizedMul"] == 2  # one per layer: the premise
     qmodel = fxquant.convert(prepared, keep_float=["*mlp*"])
     graph = graph_of(qmodel)

@@ -349,7 +349,8 @@ def test_smoothed_llama_switched_at_convert_keeps_its_smoothing_in_bare_layers(h
     model = hf_zoo.build("llama")
     batches = hf_zoo.batches("llama", 4)
     float_model = copy.deepcopy(model)
-    prepared = fxquant.prepare(model, hf_zoo.positional(model, batches[0]), QuantConfig(smoothquant_alpha=0.5))
+    prepared = fxquant.prepare(model, hf_zoo.positional(model, batches[0]),
+                               QuantConfig(scheme="static", smoothquant_alpha=0.5))
     fxquant.calibrate(prepared, batches, progress=False)
     qmodel = fxquant.convert(prepared, schemes={"*": "dynamic"})
     q_proj = qmodel.model.layers[0].self_attn.q_proj
@@ -361,6 +362,33 @@ def test_smoothed_llama_switched_at_convert_keeps_its_smoothing_in_bare_layers(h
         sqnr = _sqnr(hf_zoo.main_output("llama", float_model(**batches[0])),
                      hf_zoo.main_output("llama", qmodel(**batches[0])))
     assert sqnr > 34, f"llama smoothed dynamic logits SQNR {sqnr:.2f} dB"
+
+
+def test_smoothing_scales_fold_into_the_scheme_layers_that_read_them(hf_zoo: Any,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SmoothQuant ``ChannelScale`` whose readers are all scheme Linears (SwiGLU's gate and up read one; down
+    and lm_head read theirs through a float barrier) goes into those layers' ``input_scale``: none is left, lm_head
+    stands bare, and the model gives the same bytes as the same conversion with the scales left as ops (the layers
+    form the same float32 products), on a prefill (the torch paths) and on one token (the few-row loops)."""
+    model = hf_zoo.build("llama")
+    batches = hf_zoo.batches("llama", 4)
+    prepared = fxquant.prepare(model, hf_zoo.positional(model, batches[0]),
+                               QuantConfig(scheme="static", smoothquant_alpha=0.5))
+    fxquant.calibrate(prepared, batches, progress=False)
+    recipe = {"*down_proj": "weight_only", "lm_head": "weight_only", "*": "dynamic"}
+    folded = fxquant.convert(prepared, schemes=recipe)
+    monkeypatch.setattr(fxquant.api, "fold_channel_scales", lambda gm: gm)
+    unfolded = fxquant.convert(prepared, schemes=recipe)
+    assert [type(m).__name__ for m in unfolded.modules()].count("ChannelScale") > 0  # the control: scales to fold
+    assert [type(m).__name__ for m in folded.modules()].count("ChannelScale") == 0
+    assert type(folded.lm_head) is WeightOnlyInt8Linear and folded.lm_head.input_scale is not None
+    mlp = folded.model.layers[0].mlp
+    assert all(getattr(mlp, name).input_scale is not None for name in ("gate_proj", "up_proj", "down_proj"))
+    one_token = {key: value[:1, -1:] for key, value in batches[1].items()}
+    for inputs in (batches[1], one_token):
+        with torch.no_grad():
+            want = hf_zoo.main_output("llama", unfolded(**inputs))
+            assert torch.equal(hf_zoo.main_output("llama", folded(**inputs)), want)
 
 
 def test_report_lists_scheme_layers_as_int8_with_their_own_error() -> None:

@@ -5,6 +5,9 @@
  * mul_u8: the product of two uint8 activations (an SE gate), rounded once (fxquant/kernels/plain_int8.py).
  * lookup_u8: a 256-entry table applied to every byte (an element-wise function of int8 values, fxquant/nn/lookup.py).
  * copy_rows: rows of bytes between two strided layouts (a channel concat of channels-last activations).
+ * quantize_rows_s8, rescale_rows: the per-token quantize (optionally of SmoothQuant-scaled rows) and int32-to-float
+ *   rescale around torch._int_mm (fxquant/kernels/per_token.py), their rows split over torch's threads (a prefill's
+ *   hundreds; FXQ_PARALLEL_FOR); int8_rows.c quantizes with the former.
  *
  * Arguments arrive checked (module.c); every function here runs without the GIL.
  */
@@ -253,27 +256,85 @@ void fxq_copy_rows(const ByteRows *src_rows, const ByteRows *dst_rows, int64_t r
             memcpy(dst + r * ds, src + r * ss, (size_t)width);
 }
 
-/* Symmetric per-row int8 (dynamic per-token activations): scale[m] = max(max_k |x[m, k]| / 127, FLT_MIN) and
- * q[m, k] = clamp(round(x[m, k] / scale[m]), -127, 127), as fxquant.kernels.per_token.quantize_rows computes them. */
-VECTOR_CLONES void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride, int8_t *q,
-                                        float *scale) {
-    for (int64_t m = 0; m < rows; m++) {
-        const float *row = x + m * x_stride;
-        float amax = 0.0f;
+/* One row of fxq_quantize_rows_s8 (below), any CPU (the AVX2 clone vectorizes the quantize, not the max). */
+VECTOR_CLONES static void quantize_row_scalar(const float *row, int64_t width, const float *input_scale, int8_t *q,
+                                              float *scale) {
+    float amax = 0.0f;
+    if (input_scale)
+        for (int64_t k = 0; k < width; k++) {
+            const float y = row[k] * input_scale[k], a = y < 0.0f ? -y : y;
+            amax = a > amax ? a : amax;
+        }
+    else
         for (int64_t k = 0; k < width; k++) {
             const float a = row[k] < 0.0f ? -row[k] : row[k];
             amax = a > amax ? a : amax;
         }
-        const float s = amax / 127.0f;
-        scale[m] = s > FLT_MIN ? s : FLT_MIN;
-        for (int64_t k = 0; k < width; k++) q[m * width + k] = (int8_t)quantized(row[k], scale[m], -127.0f, 127.0f);
+    const float s = amax / 127.0f, rs = s > FLT_MIN ? s : FLT_MIN;
+    *scale = rs;
+    if (input_scale)
+        for (int64_t k = 0; k < width; k++) q[k] = (int8_t)quantized(row[k] * input_scale[k], rs, -127.0f, 127.0f);
+    else
+        for (int64_t k = 0; k < width; k++) q[k] = (int8_t)quantized(row[k], rs, -127.0f, 127.0f);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* The same row in 16 lanes, each operation rounded as the scalar one: max and min ignore NaN where the scalar
+ * comparisons do (a NaN first operand yields the second), roundscale rounds half to even like round_even. */
+__attribute__((target("avx512f,avx512bw"))) static inline __m512 scaled_lanes(const float *row, const float *input_scale,
+                                                                             int64_t k, __mmask16 mask) {
+    const __m512 y = _mm512_maskz_loadu_ps(mask, row + k);
+    return input_scale ? _mm512_mul_ps(y, _mm512_maskz_loadu_ps(mask, input_scale + k)) : y;
+}
+
+__attribute__((target("avx512f,avx512bw"))) static void quantize_row_avx512(const float *row, int64_t width,
+                                                                           const float *input_scale, int8_t *q,
+                                                                           float *scale) {
+    __m512 amax = _mm512_setzero_ps(); /* masked-off lanes load 0, which changes no maximum of magnitudes */
+    for (int64_t k = 0; k < width; k += 16) {
+        const __mmask16 mask = width - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (width - k)) - 1u);
+        amax = _mm512_max_ps(_mm512_abs_ps(scaled_lanes(row, input_scale, k, mask)), amax);
     }
+    const float s = _mm512_reduce_max_ps(amax) / 127.0f, rs = s > FLT_MIN ? s : FLT_MIN;
+    *scale = rs;
+    const __m512 vs = _mm512_set1_ps(rs), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512 below = _mm512_set1_ps(-128.0f), above = _mm512_set1_ps(128.0f);
+    for (int64_t k = 0; k < width; k += 16) {
+        const __mmask16 mask = width - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (width - k)) - 1u);
+        __m512 v = _mm512_div_ps(scaled_lanes(row, input_scale, k, mask), vs);
+        v = _mm512_min_ps(_mm512_max_ps(v, below), above);
+        v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm512_mask_cvtepi32_storeu_epi8(q + k, mask, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi)));
+    }
+}
+#define HAVE_AVX512_QUANTIZE_ROWS 1
+#endif
+
+/* Symmetric per-row int8 (dynamic per-token activations) of y = x * input_scale (per column; x itself where
+ * input_scale is NULL): scale[m] = max(max_k |y[m, k]| / 127, FLT_MIN) and q[m, k] = clamp(round(y[m, k] /
+ * scale[m]), -127, 127), as fxquant.kernels.per_token.quantize_rows computes them (y rounded once, as torch's mul
+ * rounds it; computed in both passes, the same bits each time). With AVX-512, 16 values per step: the compiler
+ * keeps the scalar maximum's NaN rule by leaving that loop scalar, a pass as slow as the rest together. */
+void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride, const float *input_scale,
+                          int8_t *q, float *scale) {
+#ifdef HAVE_AVX512_QUANTIZE_ROWS
+    if (fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw")) {
+        FXQ_PARALLEL_FOR(rows * width >= FXQ_PARALLEL_WORK)
+        for (int64_t m = 0; m < rows; m++)
+            quantize_row_avx512(x + m * x_stride, width, input_scale, q + m * width, scale + m);
+        return;
+    }
+#endif
+    FXQ_PARALLEL_FOR(rows * width >= FXQ_PARALLEL_WORK)
+    for (int64_t m = 0; m < rows; m++)
+        quantize_row_scalar(x + m * x_stride, width, input_scale, q + m * width, scale + m);
 }
 
 /* out[m, n] = float(acc[m, n]) * row_scale[m] * col_scale[n] (+ bias[n]), rounded after each operation as torch's
  * mul_/mul_/add_ round. */
 VECTOR_CLONES void fxq_rescale_rows(const int32_t *acc, int64_t rows, int64_t width, const float *row_scale,
                                     const float *col_scale, const float *bias, float *out) {
+    FXQ_PARALLEL_FOR(rows * width >= FXQ_PARALLEL_WORK)
     for (int64_t m = 0; m < rows; m++) {
         const int32_t *a = acc + m * width;
         float *o = out + m * width;

@@ -10,19 +10,21 @@
 
 #define PTR(type, addr) ((type *)(uintptr_t)(addr))
 
-/* quantize_rows_s8((x_ptr, rows, width, x_stride), q_ptr, scale_ptr) -> None; x_stride in floats. */
+/* quantize_rows_s8((x_ptr, rows, width, x_stride, input_scale_ptr), q_ptr, scale_ptr) -> None; x_stride in floats,
+ * input_scale_ptr 0: none. */
 PyObject *fxq_py_quantize_rows_s8(PyObject *self, PyObject *args) {
-    unsigned long long x_addr, q_addr, scale_addr;
+    unsigned long long x_addr, is_addr, q_addr, scale_addr;
     int64_t rows, width, stride;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KLLL)KK", &x_addr, &rows, &width, &stride, &q_addr, &scale_addr))
+    if (!PyArg_ParseTuple(args, "(KLLLK)KK", &x_addr, &rows, &width, &stride, &is_addr, &q_addr, &scale_addr))
         return NULL;
     if (rows < 0 || width < 1 || stride < width) {
         PyErr_SetString(PyExc_ValueError, "quantize_rows_s8: bad shape or stride");
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    fxq_quantize_rows_s8(PTR(const float, x_addr), rows, width, stride, PTR(int8_t, q_addr), PTR(float, scale_addr));
+    fxq_quantize_rows_s8(PTR(const float, x_addr), rows, width, stride, is_addr ? PTR(const float, is_addr) : NULL,
+                         PTR(int8_t, q_addr), PTR(float, scale_addr));
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -45,44 +47,49 @@ PyObject *fxq_py_rescale_rows(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* int8_rows_f32((q_ptr, row_scale_ptr, rows), (w, weight_sums, col_scale, bias, in_features, out_features),
- *               out_ptr) -> bool; everything dense, bias 0 for none. False (nothing written) without VNNI. */
+/* int8_rows_f32((x_ptr, input_scale_ptr, rows, x_stride), (w, weight_sums, col_scale, bias, in_features,
+ *               out_features), out_ptr) -> bool; x_stride in floats, the rest dense, 0 for no input scale or bias.
+ * False (nothing written) without VNNI. */
 PyObject *fxq_py_int8_rows_f32(PyObject *self, PyObject *args) {
-    unsigned long long q_addr, rs_addr, w_addr, sums_addr, cs_addr, bias_addr, out_addr;
+    unsigned long long x_addr, is_addr, w_addr, sums_addr, cs_addr, bias_addr, out_addr;
     Int8Rows p;
+    int status;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KKL)(KKKKLL)K", &q_addr, &rs_addr, &p.rows, &w_addr, &sums_addr, &cs_addr,
-                          &bias_addr, &p.in_features, &p.out_features, &out_addr))
+    if (!PyArg_ParseTuple(args, "(KKLL)(KKKKLL)K", &x_addr, &is_addr, &p.rows, &p.x_stride, &w_addr, &sums_addr,
+                          &cs_addr, &bias_addr, &p.in_features, &p.out_features, &out_addr))
         return NULL;
-    if (p.rows < 0 || p.in_features < 1 || p.out_features < 1) {
-        PyErr_SetString(PyExc_ValueError, "int8_rows_f32: bad shape");
+    if (p.rows < 0 || p.in_features < 1 || p.out_features < 1 || p.x_stride < p.in_features) {
+        PyErr_SetString(PyExc_ValueError, "int8_rows_f32: bad shape or stride");
         return NULL;
     }
     if (!fxq_vnni_usable())
         Py_RETURN_FALSE;
-    p.q = PTR(const int8_t, q_addr);
-    p.row_scale = PTR(const float, rs_addr);
+    p.x = PTR(const float, x_addr);
+    p.input_scale = is_addr ? PTR(const float, is_addr) : NULL;
     p.w = PTR(const int8_t, w_addr);
     p.weight_sums = PTR(const int32_t, sums_addr);
     p.col_scale = PTR(const float, cs_addr);
     p.bias = bias_addr ? PTR(const float, bias_addr) : NULL;
     p.out = PTR(float, out_addr);
     Py_BEGIN_ALLOW_THREADS
-    fxq_int8_rows_f32(&p);
+    status = fxq_int8_rows_f32(&p);
     Py_END_ALLOW_THREADS
+    if (status)
+        return PyErr_NoMemory();
     Py_RETURN_TRUE;
 }
 
-/* weight_only_f32((x_ptr, rows, x_stride), (w_ptr, scale_ptr, bias_ptr, in_features, out_features, group),
- *                 (out_ptr, out_stride)) -> None
+/* weight_only_f32((x_ptr, input_scale_ptr, rows, x_stride), (w_ptr, scale_ptr, bias_ptr, in_features, out_features,
+ *                 group), (out_ptr, out_stride)) -> None
  *
  * Strides in floats; the weights dense (out_features, in_features) int8, their scales dense (out_features,
- * in_features / group); bias_ptr 0 for no bias. */
+ * in_features / group); input_scale_ptr and bias_ptr 0 for none. */
 PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args) {
-    unsigned long long x_addr, w_addr, scale_addr, bias_addr, out_addr;
+    unsigned long long x_addr, is_addr, w_addr, scale_addr, bias_addr, out_addr;
     WeightOnlyRows p;
+    int status;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KLL)(KKKLLL)(KL)", &x_addr, &p.rows, &p.x_stride, &w_addr, &scale_addr,
+    if (!PyArg_ParseTuple(args, "(KKLL)(KKKLLL)(KL)", &x_addr, &is_addr, &p.rows, &p.x_stride, &w_addr, &scale_addr,
                           &bias_addr, &p.in_features, &p.out_features, &p.group, &out_addr, &p.out_stride))
         return NULL;
     if (p.rows < 0 || p.in_features < 1 || p.out_features < 1 || p.x_stride < p.in_features ||
@@ -92,12 +99,15 @@ PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args) {
         return NULL;
     }
     p.x = PTR(const float, x_addr);
+    p.input_scale = is_addr ? PTR(const float, is_addr) : NULL;
     p.w = PTR(const int8_t, w_addr);
     p.scale = PTR(const float, scale_addr);
     p.bias = bias_addr ? PTR(const float, bias_addr) : NULL;
     p.out = PTR(float, out_addr);
     Py_BEGIN_ALLOW_THREADS
-    fxq_weight_only_f32(&p);
+    status = fxq_weight_only_f32(&p);
     Py_END_ALLOW_THREADS
+    if (status)
+        return PyErr_NoMemory();
     Py_RETURN_NONE;
 }

@@ -33,6 +33,18 @@
 #define VECTOR_CLONES
 #endif
 
+/* A loop split over the calling thread's OpenMP team (torch's intra-op threads, whose number torch.set_num_threads
+ * sets: setup.py links the runtime torch loaded) where the extension is built with OpenMP and cond says the work
+ * is worth waking the team; a plain loop elsewhere. Each iteration writes outputs of its own with the arithmetic of
+ * one thread, so results do not depend on the thread count. */
+#define FXQ_PRAGMA(text) _Pragma(#text)
+#ifdef _OPENMP
+#define FXQ_PARALLEL_FOR(cond) FXQ_PRAGMA(omp parallel for schedule(static) if (cond))
+#else
+#define FXQ_PARALLEL_FOR(cond)
+#endif
+#define FXQ_PARALLEL_WORK ((int64_t)1 << 16) /* weights (or values) below which one thread finishes first */
+
 /* The instruction sets the loops may use, capped by FXQUANT_ISA (fxquant.native.isa, set once by fxquant.native
  * through set_isa_cap): 0 AVX2, 1 AVX512, 2 AVX512-VNNI, 3 AMX. A loop runs where both the cap and the CPU allow
  * it. Defined in module.c. */
@@ -107,9 +119,10 @@ FXQ_INTERNAL void fxq_mul_u8(const int64_t shape[3], const Bytes3 *a, const Byte
                              const MulRequant *requant);
 FXQ_INTERNAL void fxq_lookup_u8(const uint8_t *src, uint8_t *dst, int64_t n, const uint8_t *table);
 FXQ_INTERNAL void fxq_copy_rows(const ByteRows *src, const ByteRows *dst, int64_t rows, int64_t width);
-/* Dynamic per-token INT8: rows x width float32 (x_stride apart) -> dense int8 and a float32 scale per row. */
-FXQ_INTERNAL void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride, int8_t *q,
-                                       float *scale);
+/* Dynamic per-token INT8: rows x width float32 (x_stride apart), each times input_scale (width factors; NULL: none),
+ * -> dense int8 and a float32 scale per row. */
+FXQ_INTERNAL void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride,
+                                       const float *input_scale, int8_t *q, float *scale);
 /* Dense int32 sums -> dense float32: times a per-row and a per-column scale, plus an optional bias (NULL). */
 FXQ_INTERNAL void fxq_rescale_rows(const int32_t *acc, int64_t rows, int64_t width, const float *row_scale,
                                    const float *col_scale, const float *bias, float *out);
@@ -192,12 +205,12 @@ FXQ_INTERNAL void fxq_patches_u8(const PatchInput *x, const PatchWeights *weight
 
 /* ---- weight_only.c ---- */
 
-/* rows x in_features float32 inputs (x_stride floats apart), out_features x in_features int8 weights (dense) with a
- * dense float32 scale per group of `group` inputs of each output (out_features x in_features / group; group divides
- * in_features and is a multiple of 16, or equals in_features), an optional bias (NULL) per output, rows x
- * out_features float32 outputs (out_stride apart). */
+/* rows x in_features float32 inputs (x_stride floats apart), each times input_scale (in_features factors; NULL:
+ * none) first, out_features x in_features int8 weights (dense) with a dense float32 scale per group of `group`
+ * inputs of each output (out_features x in_features / group; group divides in_features and is a multiple of 16, or
+ * equals in_features), an optional bias (NULL) per output, rows x out_features float32 outputs (out_stride apart). */
 typedef struct {
-    const float *x;
+    const float *x, *input_scale;
     int64_t rows, x_stride;
     const int8_t *w;
     const float *scale, *bias;
@@ -206,16 +219,17 @@ typedef struct {
     int64_t out_stride;
 } WeightOnlyRows;
 
-FXQ_INTERNAL void fxq_weight_only_f32(const WeightOnlyRows *p);
+/* 0, or -1 where the scaled inputs could not be allocated (nothing written). */
+FXQ_INTERNAL int fxq_weight_only_f32(const WeightOnlyRows *p);
 
 /* ---- int8_rows.c ---- */
 
-/* rows x in_features dense int8 rows with a float32 scale each; out_features x in_features dense int8 weights with
- * their int32 row sums, a float32 scale and optional bias (NULL) per output; rows x out_features dense float32. */
+/* rows x in_features float32 rows (x_stride floats apart), each times input_scale (in_features factors; NULL:
+ * none) before it is quantized; out_features x in_features dense int8 weights with their int32 row sums, a float32
+ * scale and optional bias (NULL) per output; rows x out_features dense float32 outputs. */
 typedef struct {
-    const int8_t *q;
-    const float *row_scale;
-    int64_t rows;
+    const float *x, *input_scale;
+    int64_t rows, x_stride;
     const int8_t *w;
     const int32_t *weight_sums;
     const float *col_scale, *bias;
@@ -223,7 +237,7 @@ typedef struct {
     float *out;
 } Int8Rows;
 
-/* Only where fxq_vnni_usable(). */
-FXQ_INTERNAL void fxq_int8_rows_f32(const Int8Rows *p);
+/* 0, or -1 where the quantized rows could not be allocated (nothing written). Only where fxq_vnni_usable(). */
+FXQ_INTERNAL int fxq_int8_rows_f32(const Int8Rows *p);
 
 #endif

@@ -3,12 +3,15 @@
  * out[m, n] = sum_k x[m, k] * (float(w[n, k]) * scale[n, k / group]) + bias[n], one scale per group of inputs of
  * each output (group = in_features: one per output channel): the weights stay int8 in memory and are widened
  * to float32 in registers, so a decode step (one row per sequence) reads a quarter of the bytes a float32 Linear
- * reads, which is what bounds it. Eight weight rows at a time, each read once per pair of input rows;
+ * reads, which is what bounds it. Eight weight rows at a time, each read from memory once for all the rows, the
+ * blocks of eight split over torch's threads (FXQ_PARALLEL_FOR);
  * the sums run in float32 with fused multiply-adds in 16 lanes (AVX-512) or 8 (AVX2), so they round differently from
- * torch's float32 GEMM (tests compare both with a float64 reference). Arguments arrive checked (module.c); the loop
- * runs without the GIL. Where it is used: fxquant/kernels/weight_only.py.
+ * torch's float32 GEMM (tests compare both with a float64 reference). SmoothQuant's input_scale, where there is
+ * one, multiplies each row first, as torch's mul would. Arguments arrive checked (module_rows.c); the loop runs
+ * without the GIL. Where it is used: fxquant/kernels/weight_only.py.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "native.h"
 
@@ -24,16 +27,16 @@ static inline float scale_at(const WeightOnlyRows *p, const int64_t n, const int
     return p->scale[n * (p->in_features / p->group) + k / p->group];
 }
 
-/* Any x86-64 (or other) CPU: the same sums, one lane. */
-static void rows_scalar(const WeightOnlyRows *p, const int64_t m0, const int rows) {
-    for (int64_t n = 0; n < p->out_features; n++) {
+/* Any x86-64 (or other) CPU: the same sums, one lane, for every row and the outputs of the block at n0. */
+static void block_scalar(const WeightOnlyRows *p, const int64_t n0) {
+    for (int64_t n = n0; n < n0 + COL_BLOCK && n < p->out_features; n++) {
         const int8_t *w = p->w + n * p->in_features;
-        for (int r = 0; r < rows; r++) {
-            const float *x = p->x + (m0 + r) * p->x_stride;
+        for (int64_t m = 0; m < p->rows; m++) {
+            const float *x = p->x + m * p->x_stride;
             float sum = 0.0f;
             for (int64_t k = 0; k < p->in_features; k++)
                 sum += x[k] * ((float)w[k] * scale_at(p, n, k));
-            finish(p, m0 + r, n, sum);
+            finish(p, m, n, sum);
         }
     }
 }
@@ -84,10 +87,11 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) static inlin
             finish(p, m0 + r, n0 + c, _mm512_reduce_add_ps(acc[r][c]));
 }
 
+/* Every row against the outputs of the block at n0: its weights come from memory once, then from L1. */
 __attribute__((target("avx512f,avx512bw,avx512vl"))) static void rows_avx512(const WeightOnlyRows *p,
-                                                                           const int64_t m0, const int rows) {
-    for (int64_t n0 = 0; n0 < p->out_features; n0 += COL_BLOCK) {
-        if (rows == 1)
+                                                                           const int64_t n0) {
+    for (int64_t m0 = 0; m0 < p->rows; m0 += ROW_BLOCK) {
+        if (p->rows - m0 == 1)
             block_avx512(p, m0, 1, n0);
         else
             block_avx512(p, m0, ROW_BLOCK, n0);
@@ -136,10 +140,9 @@ __attribute__((target("avx2,fma"), always_inline)) static inline void block_avx2
         }
 }
 
-__attribute__((target("avx2,fma"))) static void rows_avx2(const WeightOnlyRows *p, const int64_t m0,
-                                                          const int rows) {
-    for (int64_t n0 = 0; n0 < p->out_features; n0 += COL_BLOCK) {
-        if (rows == 1)
+__attribute__((target("avx2,fma"))) static void rows_avx2(const WeightOnlyRows *p, const int64_t n0) {
+    for (int64_t m0 = 0; m0 < p->rows; m0 += ROW_BLOCK) {
+        if (p->rows - m0 == 1)
             block_avx2(p, m0, 1, n0);
         else
             block_avx2(p, m0, ROW_BLOCK, n0);
@@ -147,19 +150,37 @@ __attribute__((target("avx2,fma"))) static void rows_avx2(const WeightOnlyRows *
 }
 #endif
 
-void fxq_weight_only_f32(const WeightOnlyRows *p) {
-    for (int64_t m0 = 0; m0 < p->rows; m0 += ROW_BLOCK) {
-        const int rows = p->rows - m0 < ROW_BLOCK ? (int)(p->rows - m0) : ROW_BLOCK;
+/* The loop over the blocks of outputs of the widest path this CPU and the ISA cap allow. */
+typedef void (*BlockLoop)(const WeightOnlyRows *p, int64_t n0);
+
+static BlockLoop widest_path(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
-        if (fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
-            rows_avx512(p, m0, rows);
-            continue;
-        }
-        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-            rows_avx2(p, m0, rows);
-            continue;
-        }
+    if (fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+        return rows_avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return rows_avx2;
 #endif
-        rows_scalar(p, m0, rows);
+    return block_scalar;
+}
+
+int fxq_weight_only_f32(const WeightOnlyRows *p) {
+    WeightOnlyRows scaled = *p;
+    float *x = NULL;
+    if (p->input_scale) { /* x * input_scale once, rounded as torch's mul rounds it, then the loop on those rows */
+        x = (float *)malloc((size_t)(p->rows * p->in_features) * sizeof(float) + 1);
+        if (x == NULL)
+            return -1;
+        for (int64_t m = 0; m < p->rows; m++)
+            for (int64_t k = 0; k < p->in_features; k++)
+                x[m * p->in_features + k] = p->x[m * p->x_stride + k] * p->input_scale[k];
+        scaled.x = x;
+        scaled.x_stride = p->in_features;
     }
+    const BlockLoop loop = widest_path();
+    const int64_t blocks = (p->out_features + COL_BLOCK - 1) / COL_BLOCK;
+    FXQ_PARALLEL_FOR(p->out_features * p->in_features >= FXQ_PARALLEL_WORK)
+    for (int64_t b = 0; b < blocks; b++)
+        loop(&scaled, b * COL_BLOCK);
+    free(x);
+    return 0;
 }
