@@ -17,7 +17,6 @@ Perplexity is exp of the mean next-token cross entropy over every position of th
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -26,12 +25,11 @@ from typing import Any
 
 import torch
 from _bench_common import environment_lines
+from _llm_windows import add_window_arguments, finish_window_arguments, load_smollm2
 from torch import fx
 
 import fxquant
-from fxquant.errors import FxQuantError
 from fxquant.models.corpus import calibration_text, evaluation_text, perplexity, token_windows
-from fxquant.models.gguf_llama import load_gguf_llama, smollm2_path
 
 INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx512vbmi")
 # label -> keep_float patterns; every row converts the same calibrated model
@@ -108,26 +106,13 @@ def summary(fp32: Row, rows: dict[str, Row]) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calibration-windows", type=int, default=8, help="calibration windows (default 8)")
-    parser.add_argument("--evaluation-windows", type=int, default=3, help="evaluation windows (default 3)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 calibration and 1 evaluation window of 64")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.calibration_windows, args.evaluation_windows, args.seq_len = 2, 1, 64
-    return args
+    add_window_arguments(parser, evaluation_windows=3)
+    return finish_window_arguments(parser.parse_args(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    try:
-        model, tokenizer = load_gguf_llama(smollm2_path())
-    except FxQuantError as error:
-        raise SystemExit(str(error)) from None
+    model, tokenizer = load_smollm2(args)
     data = load_data(tokenizer, args)
     print(*environment_lines(), f"CPU flags: {cpu_flags()}", sep="\n")
     print(f"SmolLM2-135M-Instruct (GGUF Q4_1 weights dequantized to float32); calibration {args.calibration_windows} "

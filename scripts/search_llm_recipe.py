@@ -17,20 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from _bench_common import environment_lines
+from _llm_windows import add_window_arguments, finish_window_arguments, load_smollm2
 from bench_llm import DEFAULT_RECIPE
 from torch import nn
 
 import fxquant
-from fxquant.errors import FxQuantError
 from fxquant.models.corpus import calibration_text, evaluation_text, perplexity, token_windows
-from fxquant.models.gguf_llama import load_gguf_llama, smollm2_path
 from fxquant.state import graph_of
 from fxquant.tuning.budget import FALLBACK_KEY, FallbackResult, quantize_within_budget
 
@@ -76,9 +74,7 @@ def compare_with_hand_recipe(result: FallbackResult, metric: Perplexity) -> list
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calibration-windows", type=int, default=8, help="calibration windows (default 8)")
-    parser.add_argument("--evaluation-windows", type=int, default=4, help="evaluation windows (default 4)")
-    parser.add_argument("--seq-len", type=int, default=512, help="tokens per window (default 512)")
+    add_window_arguments(parser, evaluation_windows=4)
     parser.add_argument("--budget", type=float, default=1.0, help="percent perplexity rise allowed (default 1)")
     parser.add_argument("--base", choices=("dynamic", "weight_only"), default="dynamic",
                         help="the scheme every Linear starts on (default dynamic)")
@@ -86,24 +82,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="what a chosen kind of layer runs instead (default weight_only)")
     parser.add_argument("--max-trials", type=int, default=10, help="conversions evaluated (default 10)")
     parser.add_argument("--smoothquant-alpha", type=float, default=0.4, help="of the calibration (default 0.4)")
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: 2 calibration, 1 evaluation window of 64")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.calibration_windows, args.evaluation_windows, args.seq_len = 2, 1, 64
-    return args
+    return finish_window_arguments(parser.parse_args(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach for a hub
-    if args.threads:
-        torch.set_num_threads(args.threads)
     start = time.perf_counter()
-    try:
-        model, tokenizer = load_gguf_llama(smollm2_path())
-    except FxQuantError as error:
-        raise SystemExit(str(error)) from None
+    model, tokenizer = load_smollm2(args)
     calibration = token_windows(tokenizer, calibration_text(), args.seq_len, args.calibration_windows)
     metric = Perplexity(token_windows(tokenizer, evaluation_text(), args.seq_len, args.evaluation_windows))
     print(*environment_lines(), sep="\n")
