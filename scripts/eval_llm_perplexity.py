@@ -9,7 +9,8 @@ fxquant:
 
 The model is the GGUF's Q4_1 weights dequantized to a float32 ``transformers.LlamaForCausalLM``
 (:mod:`fxquant.models.gguf_llama`); the text is Python standard-library docstrings, calibration and evaluation from
-disjoint modules (:mod:`fxquant.models.corpus`). fxquant calibrates once with its default config on consecutive
+disjoint modules (:mod:`fxquant.models.corpus`). fxquant calibrates once with static W8A8 (``scheme="static"``: the
+default ``"auto"`` gives a decoder dynamic per-token layers, which have no ranges to keep float) on consecutive
 calibration windows; every INT8 row converts that one calibration (``keep_float`` keeps the matching layers float).
 Perplexity is exp of the mean next-token cross entropy over every position of the evaluation windows.
 """
@@ -34,7 +35,7 @@ from fxquant.models.corpus import calibration_text, evaluation_text, perplexity,
 INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx512vbmi")
 # label -> keep_float patterns; every row converts the same calibrated model
 INT8_ROWS: dict[str, list[str]] = {
-    "fxquant INT8, default config": [],
+    "fxquant INT8, static W8A8": [],
     "fxquant, keep_float=['*'] (everything float)": ["*"],
     "fxquant, keep_float=['*mlp*'] (MLPs float)": ["*mlp*"],
     "fxquant, keep_float=['*self_attn*'] (attention float)": ["*self_attn*"],
@@ -79,7 +80,7 @@ def measure(label: str, model: Callable[..., Any], windows: Sequence[torch.Tenso
 def calibrated(model: torch.nn.Module, data: Data) -> tuple[fx.GraphModule, float, float]:
     """The prepared and calibrated model, prepare's and calibrate's wall times."""
     start = time.perf_counter()
-    prepared = fxquant.prepare(model, (data.calibration[0],))
+    prepared = fxquant.prepare(model, (data.calibration[0],), fxquant.QuantConfig(scheme="static"))
     prepare_s = time.perf_counter() - start
     start = time.perf_counter()
     fxquant.calibrate(prepared, data.calibration, progress=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from budget_testing import LAYERS, MLP, mlp_data
 from torch import nn
 
 import fxquant
@@ -13,25 +14,7 @@ from fxquant.models import accuracy, digits_loader
 from fxquant.models.digits import trained_digits_cnn
 from fxquant.tuning.budget import FALLBACK_KEY, FallbackResult
 
-
-@pytest.fixture(autouse=True)
-def _short_latency(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("fxquant.tuning.budget.LATENCY_BUDGET_S", 0.02)
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 16)
-        self.fc3, self.fc4 = nn.Linear(16, 16), nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.fc2(torch.relu(self.fc1(x))))
-        return self.fc4(torch.relu(self.fc3(x)))
-
-
-DATA = [torch.randn(16, 8) for _ in range(4)]
-LAYERS = ("fc1", "fc2", "fc3", "fc4")
+DATA = mlp_data()
 
 
 def _is_int8(model: nn.Module, path: str) -> bool:
