@@ -189,7 +189,7 @@ def _check_schemes(schemes: Mapping[str, str]) -> dict[str, str]:
     for pattern, scheme in schemes.items():
         if scheme not in FLOAT_IO_SCHEMES:
             raise ConfigError(f"convert(schemes={{{pattern!r}: {scheme!r}}}): convert can switch calibrated layers to "
-                              f"{' or '.join(map(repr, FLOAT_IO_SCHEMES))} (neither needs observers); static W8A8 "
+                              f"{', '.join(map(repr, FLOAT_IO_SCHEMES))} (none needs observers); static W8A8 "
                               "needs calibrated ranges: set QuantConfig(scheme=...) or overrides at prepare instead")
     return dict(schemes)
 
@@ -241,10 +241,10 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
     """Replace observed Linear/Conv/add nodes with INT8 modules running on ``backend`` (default: the config's).
 
     ``keep_float`` (fnmatch patterns on module paths, like ``QuantConfig.exclude``) keeps those layers float without
-    calibrating again: the accuracy-budget search converts one calibrated model many ways with it. ``schemes``
-    (pattern -> ``"dynamic"`` or ``"weight_only"``, the first matching pattern winning) runs the matching Linears on
-    that scheme instead, also without calibrating again: ``schemes={"*down_proj": "weight_only"}``. SmoothQuant and
-    bias correction are applied here (see :func:`apply_statistics`).
+    calibrating again: the accuracy-budget search converts one calibrated model many ways with it. ``schemes`` (pattern
+    -> ``"dynamic"``, ``"dynamic_group"`` or ``"weight_only"``, the first matching pattern winning) runs the matching
+    Linears on that scheme instead, also without calibrating again: ``schemes={"*down_proj": "weight_only"}``.
+    SmoothQuant and bias correction are applied here (see :func:`apply_statistics`).
 
     ``backend="auto"`` measures the available kernels on this CPU on each layer's real shapes (see
     :mod:`fxquant.runtime.auto_backend`); ``fxquant.coverage`` shows the backend each layer got. The fastest kernel

@@ -29,9 +29,10 @@ CONFIG_VERSION = 1
 BACKENDS = ("fbgemm", "qnnpack", "onednn", "reference", "auto")
 WEIGHT_SCHEMES = ("per_channel", "per_tensor")
 # how a layer runs INT8 (docs/quantization.md "Schemes"): "static" W8A8 with calibrated activation ranges (int8 in
-# and out); "dynamic" W8A8 with each row (token) of the input quantized at run time; "weight_only" INT8 weights with
-# float activations (W8A16). The last two read and return float, need no calibration, and apply to Linear layers.
-SCHEMES = ("static", "dynamic", "weight_only")
+# and out); "dynamic" W8A8 with each row (token) of the input quantized at run time; "dynamic_group" likewise with
+# one scale per 128 inputs of each row; "weight_only" INT8 weights with float activations (W8A16). All but static
+# read and return float, need no calibration, and apply to Linear layers.
+SCHEMES = ("static", "dynamic", "dynamic_group", "weight_only")
 # QuantConfig.scheme may also be "auto" (the default): prepare() picks per model (QuantConfig.for_model)
 AUTO_SCHEME = "auto"
 CONFIG_SCHEMES = (AUTO_SCHEME, *SCHEMES)
@@ -103,7 +104,8 @@ class QuantConfig:
     backend: str = field(default_factory=_default_backend)  # resolved when the config is made, so it is recorded
     activation: str = "histogram"  # the most accurate across the zoo and real data (docs/calibration.md)
     weight: str = "per_channel"
-    # SCHEMES: static W8A8, dynamic W8A8 (per-token), weight_only (W8A16); "auto": see for_model
+    # SCHEMES: static W8A8, dynamic W8A8 (per-token), dynamic_group (W8A8, per group of a token's inputs),
+    # weight_only (W8A16); "auto": see for_model
     scheme: str = AUTO_SCHEME
     include: tuple[str, ...] = ("*",)
     exclude: tuple[str, ...] = ()
@@ -157,17 +159,19 @@ class QuantConfig:
             _check_choice("scheme", settings["scheme"], SCHEMES, where)
 
     def for_model(self, model: nn.Module) -> QuantConfig:
-        """This config with ``scheme="auto"`` resolved for ``model`` (what ``prepare`` records): ``"dynamic"`` for a
-        decoder-only language model (a Hugging Face model that generates and is not encoder-decoder: GPT-2, Llama,
-        Qwen, ...), ``"static"`` for every other model.
+        """This config with ``scheme="auto"`` resolved for ``model`` (what ``prepare`` records):
+        ``"dynamic_group"`` for a decoder-only language model (a Hugging Face model that generates and is not
+        encoder-decoder: GPT-2, Llama, Qwen, ...), ``"static"`` for every other model.
 
         Why: a decoder's activations carry a few tokens (the first, punctuation: attention sinks) 10-1000x larger
-        than the rest, so one calibrated range per tensor leaves the other tokens a handful of int8 steps, while
-        per-token scales give each token its own (docs/quantization.md "Schemes" has the measurements).
+        than the rest, so one calibrated range per tensor leaves the other tokens a handful of int8 steps; per-token
+        scales give each token its own, and a scale per group of each token's inputs keeps its few outlier
+        channels from costing the other channels their steps too, at the speed of per-token scales
+        (docs/quantization.md "Schemes" has the measurements).
         """
         if self.scheme != AUTO_SCHEME:
             return self
-        return replace(self, scheme="dynamic" if _decoder_only_lm(model) else "static")
+        return replace(self, scheme="dynamic_group" if _decoder_only_lm(model) else "static")
 
     def settings_for(self, path: str, module_type: str = "", *, position: str = "") -> LayerSettings:
         """Resolve the settings of the module at ``path`` of class ``module_type``.

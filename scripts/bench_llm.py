@@ -2,8 +2,9 @@
 
 Rows, all from one float model (:mod:`fxquant.models.gguf_llama`): FP32, eager and ``torch.compile``d (a peer);
 ``torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)``; torchao ``quantize_`` with
-``Int8DynamicActivationInt8WeightConfig()`` and ``Int8WeightOnlyConfig()``, eager and compiled; fxquant
-``QuantConfig(scheme="dynamic")`` and ``scheme="weight_only"`` (uncalibrated: they observe no activation ranges),
+``Int8DynamicActivationInt8WeightConfig()`` and ``Int8WeightOnlyConfig()``, eager and compiled; fxquant's default
+(``scheme="auto"``: ``"dynamic_group"`` for a decoder), ``QuantConfig(scheme="dynamic")`` and
+``scheme="weight_only"`` (uncalibrated: they observe no activation ranges),
 the static W8A8 config (``scheme="static"``, otherwise the defaults) with ``--smoothquant-alpha`` calibrated at one
 thread (timed), and that calibration converted with ``convert(schemes=--recipe)``. Per row: perplexity on the
 evaluation windows (the same for every row, as ``eval_llm_perplexity.py``); at each ``--threads`` count, the median
@@ -60,7 +61,7 @@ from fxquant.models.corpus import calibration_text, evaluation_text, perplexity,
 from fxquant.models.gguf_llama import load_gguf_llama, smollm2_path
 from fxquant.report.latency import LatencyStats, num_threads
 
-DEFAULT_RECIPE = '{"*down_proj": "weight_only", "lm_head": "weight_only", "*": "dynamic"}'
+DEFAULT_RECIPE = '{"lm_head": "weight_only", "*": "dynamic_group"}'
 SIZES = {"calibration_windows": (16, 2), "evaluation_windows": (6, 1), "seq_len": (512, 64), "prefill_len": (512, 64),
          "prompt_len": (64, 16), "new_tokens": (64, 8), "rounds": (5, 2)}  # option -> (full run, --quick)
 PPL_LIMIT = {"fxq-wo": 1.003}  # perplexity / FP32's, at most; 1.01 for the W8A8 rows
@@ -159,6 +160,7 @@ ROWS: dict[str, tuple[str, Builder]] = {  # key -> (label, builder), in the tabl
     "torchao-w8a8-compiled": ("torchao int8 dyn-act W8A8 torch.compile", partial(build_compiled, build=_TORCHAO_W8A8)),
     "torchao-wo": ("torchao int8 weight-only", _TORCHAO_WO),
     "torchao-wo-compiled": ("torchao int8 weight-only torch.compile", partial(build_compiled, build=_TORCHAO_WO)),
+    "fxq-group": ("fxquant W8A8 dynamic_group (the default)", partial(build_fxq_scheme, scheme="auto")),
     "fxq-dynamic": ("fxquant W8A8 dynamic", partial(build_fxq_scheme, scheme="dynamic")),
     "fxq-wo": ("fxquant weight-only", partial(build_fxq_scheme, scheme="weight_only")),
     "fxq-static": ("fxquant static W8A8", build_fxq_static),

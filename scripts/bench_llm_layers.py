@@ -9,11 +9,14 @@ weights of one shape to exceed the last-level cache, and times one call per weig
 - ``weight_only``: :func:`fxquant.kernels.weight_only.weight_only_linear` (the C loop up to 8 rows), and
   ``weight_only, no loop``: the same with the loops off (weights dequantized a block at a time, torch's GEMM);
 - ``dynamic``: :func:`fxquant.kernels.per_token.per_token_linear` (the VNNI loop up to 8 rows), and ``dynamic,
-  no loop``: ``torch._int_mm`` and the torch rescale.
+  no loop``: ``torch._int_mm`` and the torch rescale;
+- ``dynamic_group``: :func:`fxquant.kernels.per_group.per_group_linear` (the VNNI loop at any number of rows), and
+  ``dynamic_group, no loop``: its torch path (float32 GEMMs per group of inputs).
 
 At each ``--threads`` count the engines and the loops (OpenMP, on torch's threads) split their work across torch's
 threads; where the loops are slower than what they replace, ``fxquant.native.THREAD_LIMITS`` must stop them
-(docs/amx.md, "Threads"). Shapes: SmolLM2-135M's (576 hidden, 1536 MLP) and a 1B-class decoder's (2048, 8192).
+(docs/amx.md, "Threads"). Shapes: SmolLM2-135M's (576 hidden, 1536 MLP) and a 1B-class decoder's (2048, 8192);
+``--rows 1,512`` adds a prefill's rows.
 
     python scripts/bench_llm_layers.py [--threads 1,2] [--rows 1,4] [--budget SECONDS]
 """
@@ -30,6 +33,7 @@ import torch.nn.functional as F
 from _bench_common import environment_lines
 
 from fxquant import native
+from fxquant.kernels.per_group import group_size, pack_weights, per_group_linear
 from fxquant.kernels.per_token import per_token_linear
 from fxquant.kernels.weight_only import weight_only_linear
 from fxquant.report.latency import measure_latency
@@ -43,6 +47,8 @@ def _cases(rows: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
     floats = [torch.randn(n, k) for _ in range(count)] if count * k * n * 4 <= 4 * CACHE_BYTES else []
     ints = [torch.randint(-127, 128, (n, k), dtype=torch.int8) for _ in range(count)]
     sums = [w.sum(dim=1, dtype=torch.int32) for w in ints]
+    group = group_size(k) or 4
+    packed = [pack_weights(w, group) for w in ints]
     scale, x = torch.rand(n) / 100, torch.randn(rows, k)
     float_ring, int_ring = cycle(floats or [torch.randn(n, k)]), cycle(range(count))
 
@@ -62,11 +68,17 @@ def _cases(rows: int, k: int, n: int) -> dict[str, Callable[[], Any]]:
         i = next(ring)
         return per_token_linear(x, ints[i], scale, None, weight_sums=sums[i] if with_sums else None)
 
+    def dynamic_group(ring: Iterator[int]) -> Any:
+        weights, group_sums = packed[next(ring)]
+        return per_group_linear(x, weights, group_sums, scale, None, out_features=n, group=group)
+
     return {"fp32": lambda: F.linear(x, next(float_ring)),
             "weight_only": lambda: weight_only(int_ring),
             "weight_only, no loop": off(lambda: weight_only(int_ring)),
             "dynamic": lambda: dynamic(int_ring, True),
-            "dynamic, no loop": lambda: dynamic(int_ring, False)}
+            "dynamic, no loop": lambda: dynamic(int_ring, False),
+            "dynamic_group": lambda: dynamic_group(int_ring),
+            "dynamic_group, no loop": off(lambda: dynamic_group(int_ring))}
 
 
 def main() -> None:
@@ -77,19 +89,20 @@ def main() -> None:
     args = parser.parse_args()
     print("\n".join(environment_lines()))
     print(f"thread limit of the loops: {native.THREAD_LIMITS['weight_only']} (fxquant.native.THREAD_LIMITS)\n")
-    print("| threads | layer | rows | fp32 | weight_only | no loop | dynamic | no loop | fp32 / weight_only | "
-          "fp32 / dynamic |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    names = ("fp32", "weight_only", "weight_only, no loop", "dynamic", "dynamic, no loop", "dynamic_group",
+             "dynamic_group, no loop")
+    print("| threads | layer | rows | fp32 | weight_only | no loop | dynamic | no loop | dynamic_group | no loop | "
+          "fp32 / weight_only | fp32 / dynamic | fp32 / dynamic_group |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for threads in args.threads:
         for k, n, label in SHAPES:
             for rows in args.rows:
                 stats = measure_latency(_cases(rows, k, n), threads=threads, time_budget_s=args.budget)
                 cells = [f"{stats[name].median * 1000:.0f} us [{stats[name].min * 1000:.0f}-"
-                         f"{stats[name].max * 1000:.0f}]" for name in
-                         ("fp32", "weight_only", "weight_only, no loop", "dynamic", "dynamic, no loop")]
-                fp32 = stats["fp32"].median
-                print(f"| {threads} | {label} ({k} -> {n}) | {rows} | {' | '.join(cells)} | "
-                      f"{fp32 / stats['weight_only'].median:.2f} | {fp32 / stats['dynamic'].median:.2f} |",
+                         f"{stats[name].max * 1000:.0f}]" for name in names]
+                ratios = [f"{stats['fp32'].median / stats[name].median:.2f}"
+                          for name in ("weight_only", "dynamic", "dynamic_group")]
+                print(f"| {threads} | {label} ({k} -> {n}) | {rows} | {' | '.join(cells)} | {' | '.join(ratios)} |",
                       flush=True)
 
 

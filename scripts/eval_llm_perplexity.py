@@ -12,14 +12,19 @@ The model is the GGUF's Q4_1 weights dequantized to a float32 ``transformers.Lla
 disjoint modules (:mod:`fxquant.models.corpus`). fxquant calibrates once with static W8A8 (``scheme="static"``: the
 default ``"auto"`` gives a decoder dynamic per-token layers, which have no ranges to keep float) on consecutive
 calibration windows; every INT8 row converts that one calibration (``keep_float`` keeps the matching layers float).
-Perplexity is exp of the mean next-token cross entropy over every position of the evaluation windows.
+The uncalibrated scheme rows follow: ``scheme="dynamic"`` (per-token) and ``"dynamic_group"`` at each ``--groups``
+size (``fxquant.kernels.per_group.GROUP``, set for the row). Perplexity is exp of the mean next-token cross entropy
+over every position of the evaluation windows.
+
+    python scripts/eval_llm_perplexity.py --evaluation-windows 6 --groups 64,128,256
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +35,7 @@ from _llm_windows import add_window_arguments, finish_window_arguments, load_smo
 from torch import fx
 
 import fxquant
+from fxquant.kernels import per_group
 from fxquant.models.corpus import calibration_text, evaluation_text, perplexity, token_windows
 
 INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx512vbmi")
@@ -98,6 +104,29 @@ def int8_rows(prepared: fx.GraphModule, data: Data) -> dict[str, Row]:
     return rows
 
 
+@contextlib.contextmanager
+def group_size(group: int) -> Iterator[None]:
+    """``dynamic_group`` layers made inside take ``group`` inputs per activation scale."""
+    saved, per_group.GROUP = per_group.GROUP, group
+    try:
+        yield
+    finally:
+        per_group.GROUP = saved
+
+
+def scheme_rows(model: torch.nn.Module, data: Data, groups: Sequence[int]) -> dict[str, Row]:
+    """The uncalibrated schemes: per-token dynamic, and per-group dynamic at each group size."""
+    cases = [("fxquant scheme='dynamic' (per token)", "dynamic", per_group.GROUP)]
+    cases += [(f"fxquant scheme='dynamic_group', {group} inputs per scale", "dynamic_group", group) for group in groups]
+    rows = {}
+    for label, scheme, group in cases:
+        with group_size(group):
+            qmodel = fxquant.convert(fxquant.prepare(model, (data.calibration[0],), fxquant.QuantConfig(scheme=scheme)))
+        rows[label] = measure(label, qmodel, data.evaluation)
+        del qmodel
+    return rows
+
+
 def summary(fp32: Row, rows: dict[str, Row]) -> list[str]:
     every_float = rows["fxquant, keep_float=['*'] (everything float)"].perplexity
     lines = [f"keep_float=['*'] == FP32 exactly: {every_float == fp32.perplexity}"]
@@ -108,6 +137,8 @@ def summary(fp32: Row, rows: dict[str, Row]) -> list[str]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_window_arguments(parser, evaluation_windows=3)
+    parser.add_argument("--groups", type=lambda text: [int(g) for g in text.split(",")], default=[per_group.GROUP],
+                        help=f"inputs per scale of the dynamic_group rows, comma-separated (default {per_group.GROUP})")
     return finish_window_arguments(parser.parse_args(argv))
 
 
@@ -124,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the prepared model is not measured: its observers would record the evaluation windows too
     prepared, prepare_s, calibrate_s = calibrated(model, data)
     rows = int8_rows(prepared, data)
+    rows |= scheme_rows(model, data, args.groups)
     print(f"\nprepare {prepare_s:.1f} s; calibration {calibrate_s:.1f} s wall on {len(data.calibration)} windows "
           f"(torch {torch.get_num_threads()} threads)")
     print(*summary(fp32, rows), sep="\n")

@@ -45,8 +45,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                          help="backend auto only: the inputs it times kernels on, shaped like your deployment "
                               "batches (32x3x224x224, or PKG.MODULE:FUNCTION; default: shaped like prepare's)")
     convert.add_argument("--scheme", action="append", default=[], type=_scheme, metavar="PATTERN=SCHEME",
-                         help="run the Linears matching PATTERN on SCHEME (dynamic or weight_only) instead, without "
-                              "calibrating again; repeatable, the first matching pattern wins (e.g. "
+                         help="run the Linears matching PATTERN on SCHEME (dynamic, dynamic_group or weight_only) "
+                              "instead, without calibrating again; repeatable, the first matching pattern wins (e.g. "
                               "'*down_proj=weight_only')")
     budget = convert.add_argument_group("accuracy budget (move the fewest layers to the fallback that meet it)")
     budget.add_argument("--max-accuracy-drop", type=_points, metavar="PTS",
@@ -56,8 +56,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                         help="instead: percent of the float metric the INT8 model may be worse by, in the metric's "
                              "direction (perplexity: 1 allows +1%%)")
     budget.add_argument("--fallback", type=_fallback, default="float", metavar="NAME",
-                        help="what a chosen layer runs instead: float (default), weight_only or dynamic (Linears); "
-                             "with --scheme '*=dynamic' a dynamic base with weight_only fallback")
+                        help="what a chosen layer runs instead: float (default), weight_only, dynamic or "
+                             "dynamic_group (Linears); with --scheme '*=dynamic' a dynamic base with weight_only "
+                             "fallback")
     budget.add_argument("--granularity", choices=("layer", "kind"), default="layer",
                         help="layer (default), or kind: a layer in every repeated block at once "
                              "(model.layers.*.mlp.down_proj)")
@@ -115,7 +116,8 @@ def _scheme(text: str) -> tuple[str, str]:
 
     pattern, _, scheme = text.rpartition("=")
     if not pattern or scheme not in SCHEMES or scheme == "static":
-        raise argparse.ArgumentTypeError(f"expected PATTERN=SCHEME with SCHEME dynamic or weight_only, got {text!r}")
+        raise argparse.ArgumentTypeError("expected PATTERN=SCHEME with SCHEME dynamic, dynamic_group or weight_only, "
+                                         f"got {text!r}")
     return pattern, scheme
 
 

@@ -29,8 +29,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
                               "PKG.MODULE:FUNCTION returning a tuple; default for a Hugging Face model: tokens:1x32")
     prepare.add_argument("--config", metavar="FILE", help="QuantConfig as .json/.yaml/.toml")
     prepare.add_argument("--scheme", choices=CONFIG_SCHEMES,
-                         help="the config's scheme: static W8A8 (calibrated), dynamic (W8A8, per-token), "
-                              "weight_only (W8A16), or auto (the default: dynamic for decoder LLMs, else static)")
+                         help="the config's scheme: static W8A8 (calibrated), dynamic (W8A8, per-token), dynamic_group "
+                              "(W8A8, per group of each token's inputs), weight_only (W8A16), or auto (the default: "
+                              "dynamic_group for decoder LLMs, else static)")
     prepare.add_argument("-o", "--output", required=True, metavar="RUN_DIR")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing run in RUN_DIR")
     prepare.set_defaults(handler=_prepare)

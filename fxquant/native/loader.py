@@ -12,6 +12,7 @@ call it, once a caller has checked :data:`loops`.
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
 
 import torch
@@ -44,8 +45,10 @@ if loops is not None:
 # each family runs only up to the largest torch thread count at which it was measured faster than what it replaces,
 # and yields to that kernel above it, at any thread count (docs/amx.md "Threads" gives the measurements;
 # scripts/bench_amx_layers.py and scripts/bench_llm_layers.py --threads N).
+# The per-group dynamic Linear's loop has no engine kernel to yield to (its torch path is a float GEMM per group of
+# inputs, slower at any thread count): it runs at every count, its tiles split over all of torch's threads.
 THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "upsample": 1, "elementwise": 2, "histogram": 4,
-                 "weight_only": 2, "int8_rows": 2}
+                 "weight_only": 2, "int8_rows": 2, "int8_groups": sys.maxsize}
 
 
 def loops_for(family: str = "elementwise") -> ModuleType | None:

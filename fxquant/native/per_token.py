@@ -15,7 +15,8 @@ from fxquant.native import loader
 from fxquant.native.loader import extension
 
 
-def _address(tensor: torch.Tensor | None) -> int:
+def address(tensor: torch.Tensor | None) -> int:
+    """The address of ``tensor``'s data for a C call; 0 (the C side's "none") for None."""
     return 0 if tensor is None else tensor.data_ptr()
 
 
@@ -26,7 +27,7 @@ def quantize_rows_into(q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
     the loops are off or the thread rule yields."""
     if loader.loops_for("elementwise") is None:
         return False
-    extension.quantize_rows_s8((rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), _address(input_scale)),
+    extension.quantize_rows_s8((rows.data_ptr(), rows.shape[0], rows.shape[1], rows.stride(0), address(input_scale)),
                                q.data_ptr(), scale.data_ptr())
     return True
 
@@ -38,7 +39,7 @@ def rescale_rows_into(out: torch.Tensor, acc: torch.Tensor, row_scale: torch.Ten
     if loader.loops_for("elementwise") is None:
         return False
     extension.rescale_rows((acc.data_ptr(), acc.shape[0], acc.shape[1]),
-                           (row_scale.data_ptr(), col_scale.data_ptr(), _address(bias)), out.data_ptr())
+                           (row_scale.data_ptr(), col_scale.data_ptr(), address(bias)), out.data_ptr())
     return True
 
 
@@ -53,6 +54,6 @@ def int8_rows_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, wei
         return False
     out_features, in_features = weight.shape
     return extension.int8_rows_f32(
-        (x.data_ptr(), _address(input_scale), x.numel() // in_features, in_features),
-        (weight.data_ptr(), weight_sums.data_ptr(), col_scale.data_ptr(), _address(bias), in_features, out_features),
+        (x.data_ptr(), address(input_scale), x.numel() // in_features, in_features),
+        (weight.data_ptr(), weight_sums.data_ptr(), col_scale.data_ptr(), address(bias), in_features, out_features),
         out.data_ptr())

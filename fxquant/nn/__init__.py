@@ -19,10 +19,11 @@ from fxquant.nn.quantized import (
     QuantizedPool,
     QuantizedReLU,
 )
-from fxquant.nn.schemes import DynamicInt8Linear, SchemeLinear, WeightOnlyInt8Linear
+from fxquant.nn.schemes import DynamicGroupInt8Linear, DynamicInt8Linear, SchemeLinear, WeightOnlyInt8Linear
 
 __all__ = [
     "DeQuantize",
+    "DynamicGroupInt8Linear",
     "DynamicInt8Linear",
     "Fused",
     "Quantize",

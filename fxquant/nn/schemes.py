@@ -2,10 +2,12 @@
 
 - :class:`DynamicInt8Linear` (``"dynamic"``, W8A8-dynamic): each input row quantized at run time, per-channel int8
   weights, exact int32 sums (:mod:`fxquant.kernels.per_token`);
+- :class:`DynamicGroupInt8Linear` (``"dynamic_group"``, W8A8-dynamic with one activation scale per 128 inputs
+  of each row, :mod:`fxquant.kernels.per_group`): a row's outlier channels cost only their group;
 - :class:`WeightOnlyInt8Linear` (``"weight_only"``, W8A16): int8 weights, float activations
   (:mod:`fxquant.kernels.weight_only`).
 
-Both keep only the int8 weight (``qweight``), its float32 scales (per output channel; weight-only: per 64 inputs of
+Each keeps only the int8 weight (``qweight``), its float32 scales (per output channel; weight-only: per 64 inputs of
 each output) and the float32 bias (no float copy of the weight), read and return float, and need no calibration:
 they stand where a float ``nn.Linear`` stood, anywhere in a graph, and in code torch.fx cannot trace in place of the
 Linear itself (no island around them: a decode step calls a few hundred of them). What user code reads from a
@@ -18,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fxquant.kernels.per_group import group_size, pack_weights, per_group_linear, unpack_weights
 from fxquant.kernels.per_token import per_token_linear
 from fxquant.kernels.weight_only import GROUP, weight_only_linear
 from fxquant.observers import get_weight_observer
@@ -48,10 +51,15 @@ class SchemeLinear(nn.Module):
         """The INT8 layer of ``linear`` with weights quantized by ``weight`` (``QuantConfig.weight``)."""
         return cls(linear.weight, get_weight_observer(weight)().qparams(linear.weight.detach()), linear.bias)
 
+    def int8_weight(self) -> torch.Tensor:
+        """The int8 weight (out_features, in_features), whatever layout the kernel keeps it in."""
+        return self.qweight
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float weight the layer applies to its (unscaled) input."""
+        qweight = self.int8_weight()
         scale = self.weight_scale.view(self.out_features, -1, 1)  # one scale per output, or per group of inputs
-        weight = (self.qweight.view(self.out_features, scale.shape[1], -1).float() * scale).view_as(self.qweight)
+        weight = (qweight.view(self.out_features, scale.shape[1], -1).float() * scale).view_as(qweight)
         return weight if self.input_scale is None else weight * self.input_scale
 
     @property
@@ -81,6 +89,45 @@ class DynamicInt8Linear(SchemeLinear):
                                 input_scale=self.input_scale)
 
 
+class DynamicGroupInt8Linear(SchemeLinear):
+    """W8A8 with one activation scale per group of inputs of each row, computed at run time
+    (``QuantConfig(scheme="dynamic_group")``); per-output int8 weights. ``qweight`` holds them in the layout the
+    kernel reads (:func:`~fxquant.kernels.per_group.pack_weights`, no second copy); :meth:`int8_weight` unpacks.
+    ``group`` inputs share a scale (:func:`~fxquant.kernels.per_group.group_size`)."""
+
+    scheme = "dynamic_group"
+    kernel = "VNNI per-group loop"
+    group_sums: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> None:
+        super().__init__(weight, w_qp, bias)
+        group = group_size(self.in_features)
+        if group is None:
+            raise ValueError(f"DynamicGroupInt8Linear: {self.in_features} input features are not a multiple of 4")
+        self.group = group
+        self.qweight, group_sums = pack_weights(self.qweight, group)
+        # for the VNNI loop; derived from qweight, so not part of the state dict
+        self.register_buffer("group_sums", group_sums, persistent=False)
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, weight: str) -> SchemeLinear:
+        """The per-group layer of ``linear``; a Linear whose inputs are not a multiple of 4 (no group fits the
+        kernel) runs per-token (:class:`DynamicInt8Linear`) instead, and says so as its ``scheme``."""
+        if group_size(linear.in_features) is None:
+            return DynamicInt8Linear.from_float(linear, weight)
+        return super().from_float(linear, weight)
+
+    def int8_weight(self) -> torch.Tensor:
+        return unpack_weights(self.qweight, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return per_group_linear(x, self.qweight, self.group_sums, self.weight_scale, self.bias,
+                                out_features=self.out_features, group=self.group, input_scale=self.input_scale)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, group={self.group}"
+
+
 class WeightOnlyInt8Linear(SchemeLinear):
     """INT8 weights, float activations (``QuantConfig(scheme="weight_only")``, W8A16). With ``weight="per_channel"``
     each output's weights have one scale per :data:`~fxquant.kernels.weight_only.GROUP` inputs (where that many
@@ -107,4 +154,5 @@ class WeightOnlyInt8Linear(SchemeLinear):
 
 
 SCHEME_MODULES: dict[str, type[SchemeLinear]] = {"dynamic": DynamicInt8Linear,
+                                                      "dynamic_group": DynamicGroupInt8Linear,
                                                       "weight_only": WeightOnlyInt8Linear}

@@ -17,10 +17,10 @@ worse than the float model it is, in metric units, and the budget is ``max_accur
 ``fxquant regress --max-relative-drop``).
 
 The fallback of a layer is ``"float"`` (``convert(prepared, keep_float=...)``) or a more accurate INT8 scheme,
-``"weight_only"`` or ``"dynamic"`` (``convert(prepared, schemes={layer: fallback, ...})``, Linears only). Every trial
-starts from ``schemes``, the convert-time recipe of the base (``{"*": "dynamic"}``: a dynamic base, the fallback
-layers listed first so theirs wins). ``granularity="kind"`` moves a layer in every repeated block at once (each
-numeric part of the path a ``*``: ``model.layers.*.mlp.down_proj``), so a 30-block LLM has a handful of candidates
+``"weight_only"``, ``"dynamic"`` or ``"dynamic_group"`` (``convert(prepared, schemes={layer: fallback, ...})``, Linears
+only). Every trial starts from ``schemes``, the convert-time recipe of the base (``{"*": "dynamic"}``: a dynamic base,
+the fallback layers listed first so theirs wins). ``granularity="kind"`` moves a layer in every repeated block at once
+(each numeric part of the path a ``*``: ``model.layers.*.mlp.down_proj``), so a 30-block LLM has a handful of candidates
 and the recipe reads as patterns.
 
 The returned model: with a float fallback the chosen set is quantized afresh with ``QuantConfig.exclude`` extended
@@ -284,7 +284,7 @@ def _check_fallback(fallback: Any, schemes: Any, granularity: Any) -> dict[str, 
     if schemes is None:
         return {}
     if not isinstance(schemes, Mapping) or any(v not in FLOAT_IO_SCHEMES for v in schemes.values()):
-        raise ConfigError(f"schemes must map module path patterns to {' or '.join(FLOAT_IO_SCHEMES)} (the "
+        raise ConfigError(f"schemes must map module path patterns to one of {', '.join(FLOAT_IO_SCHEMES)} (the "
                           f"convert(schemes=...) every trial starts from), got {schemes!r}")
     return {str(pattern): scheme for pattern, scheme in schemes.items()}
 
@@ -299,12 +299,13 @@ def quantize_within_budget(model: nn.Module, example_inputs: Any, data: Iterable
 
     ``eval_fn(model) -> float`` scores any model (``higher_is_better=False`` for perplexity or a loss). The budget is
     ``max_accuracy_drop`` in its units or ``max_relative_drop`` in percent of the float model's value (give one).
-    ``fallback``: ``"float"``, ``"weight_only"`` or ``"dynamic"``; ``schemes``: the ``convert(schemes=...)`` every
-    trial starts from; ``granularity``: ``"layer"`` or ``"kind"`` (a layer in every repeated block at once). At most
-    ``max_trials`` conversions are evaluated (the final re-quantization comes on top). Returns the best model found;
-    ``fxquant.state.graph_of(qmodel).meta[FALLBACK_KEY]`` is the :class:`FallbackResult` (``print(result)`` shows the
-    trial table). This is what ``fxquant.quantize(..., eval_fn=..., max_accuracy_drop=...)`` and the CLI's
-    ``--max-accuracy-drop`` call. Example (perplexity within +1%, a dynamic base with weight-only fallback)::
+    ``fallback``: ``"float"``, ``"weight_only"``, ``"dynamic"`` or ``"dynamic_group"``; ``schemes``: the
+    ``convert(schemes=...)`` every trial starts from; ``granularity``: ``"layer"`` or ``"kind"`` (a layer in every
+    repeated block at once). At most ``max_trials`` conversions are evaluated (the final re-quantization comes on top).
+    Returns the best model found; ``fxquant.state.graph_of(qmodel).meta[FALLBACK_KEY]`` is the :class:`FallbackResult`
+    (``print(result)`` shows the trial table). This is what ``fxquant.quantize(..., eval_fn=...,
+    max_accuracy_drop=...)`` and the CLI's ``--max-accuracy-drop`` call. Example (perplexity within +1%, a dynamic base
+    with weight-only fallback)::
 
         qmodel = quantize_within_budget(model, (ids,), windows, QuantConfig(smoothquant_alpha=0.4),
                                         eval_fn=lambda m: perplexity(m, test), higher_is_better=False,

@@ -27,9 +27,9 @@ def quantize(model: nn.Module, example_inputs: Any, data: Iterable[Any], config:
 
     With ``eval_fn`` (model -> metric; ``higher_is_better=False`` for perplexity or a loss) and a budget,
     ``max_accuracy_drop`` (in metric units) or ``max_relative_drop`` (in percent of the float metric), it moves the
-    fewest layers to ``fallback`` (``"float"``, ``"weight_only"`` or ``"dynamic"``) that bring the drop within the
-    budget, every trial starting from ``schemes``, one layer at a time or, ``granularity="kind"``, a layer of every
-    repeated block at once, in at most ``max_trials`` conversions, and returns the best model found;
+    fewest layers to ``fallback`` (``"float"``, ``"weight_only"``, ``"dynamic"`` or ``"dynamic_group"``) that bring the
+    drop within the budget, every trial starting from ``schemes``, one layer at a time or, ``granularity="kind"``, a
+    layer of every repeated block at once, in at most ``max_trials`` conversions, and returns the best model found;
     ``fxquant.state.graph_of(qmodel).meta["fxquant_fallback"]`` holds every trial (see :mod:`fxquant.tuning.budget`)::
 
         qmodel = fxquant.quantize(model, (x,), loader, eval_fn=top1, max_accuracy_drop=0.005)

@@ -113,9 +113,12 @@ def test_onnx_runs_on_ort_int8_kernels_as_close_as_onednn(name: str, tmp_path: P
         f"{name}: ORT {ort_db:.1f} dB from the reference, onednn {onednn_db:.1f}, INT8 from float {int8_db:.1f}"
 
 
-def test_onnx_of_a_decoders_default_dynamic_scheme_names_the_pt2_format(tmp_path: Path) -> None:
-    qmodel, _, example, _, _ = _converted("llama")
-    assert fxquant.state.quant_state(fxquant.state.graph_of(qmodel)).config.scheme == "dynamic"
-    with pytest.raises(ArtifactError, match=r"torch.onnx cannot express this model.*format='export'"):
+@pytest.mark.parametrize(("scheme", "resolved"), [("auto", "dynamic_group"), ("dynamic", "dynamic"),
+                                                  ("weight_only", "weight_only")])
+def test_onnx_of_a_decoders_scheme_layers_names_the_layer_and_the_pt2_format(tmp_path: Path, scheme: str,
+                                                                             resolved: str) -> None:
+    qmodel, _, example, _, _ = _converted("llama", scheme)
+    assert fxquant.state.quant_state(fxquant.state.graph_of(qmodel)).config.scheme == resolved
+    with pytest.raises(ArtifactError, match=rf"model\.layers\.0\..* runs the '{resolved}' scheme.*format='export'"):
         fxquant.export(qmodel, tmp_path / "model.onnx", example_inputs=example)
     assert not (tmp_path / "model.onnx").exists()

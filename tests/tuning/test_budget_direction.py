@@ -74,9 +74,10 @@ def test_a_float_fallback_with_a_lower_is_better_metric_round_trips(tmp_path: Pa
 
 @pytest.mark.parametrize(("options", "message"), [
     ({"fallback": "static"}, "fallback='static'"),
-    ({"fallback": "int4"}, "unknown fallback 'int4'; use one of float, dynamic, weight_only"),
+    ({"fallback": "int4"}, "unknown fallback 'int4'; use one of float, dynamic, dynamic_group, weight_only"),
     ({"granularity": "block"}, "unknown granularity 'block'"),
-    ({"schemes": {"*": "static"}}, "schemes must map module path patterns to dynamic or weight_only"),
+    ({"schemes": {"*": "static"}},
+     "schemes must map module path patterns to one of dynamic, dynamic_group, weight_only"),
     ({"max_relative_drop": 1.0}, "give one budget"),
     ({"max_accuracy_drop": None, "max_relative_drop": -1}, "max_relative_drop must be a number >= 0"),
 ])

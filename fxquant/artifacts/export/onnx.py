@@ -20,6 +20,7 @@ from torch import fx
 from fxquant.artifacts.export.lowered import quiet, relowered_copy, trace
 from fxquant.artifacts.export.qdq import QdqBackend
 from fxquant.errors import ArtifactError
+from fxquant.nn.schemes import SchemeLinear
 
 OPSET = 21  # QuantizeLinear/DequantizeLinear with per-axis scales and int32 inputs, all in ONNX Runtime >= 1.17
 
@@ -103,9 +104,18 @@ def keep_add_and_layer_norm_apart(graph: Any) -> int:
 
 
 def write_onnx(gm: fx.GraphModule, example_inputs: tuple[Any, ...]) -> tuple[bytes, torch.export.ExportedProgram]:
-    """The ONNX bytes of converted ``gm`` and the ExportedProgram they were translated from."""
+    """The ONNX bytes of converted ``gm`` and the ExportedProgram they were translated from. A layer on a float-in,
+    float-out scheme is refused: QDQ has no form of its run-time int8 activations, and its float arithmetic written
+    as ONNX ops would run as float, not INT8."""
     _require_packages()
     import onnx
+
+    scheme_layer = next(((path, m) for path, m in gm.named_modules() if isinstance(m, SchemeLinear)), None)
+    if scheme_layer is not None:
+        path, layer = scheme_layer
+        raise ArtifactError(f"{path} runs the {layer.scheme!r} scheme, which ONNX's QDQ form (int8 tensors with "
+                            "static scales) cannot express; the .pt2 format (format='export') takes it, or quantize "
+                            "with QuantConfig(scheme='static') for a QDQ ONNX file")
 
     program = trace(relowered_copy(gm, QdqBackend()), example_inputs)
     try:

@@ -79,6 +79,39 @@ PyObject *fxq_py_int8_rows_f32(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+/* int8_groups_f32((x_ptr, input_scale_ptr, rows, x_stride), (w, group_sums, col_scale, bias, in_features,
+ *                 out_features, n_pad, group), out_ptr) -> bool; x_stride in floats, the rest dense, 0 for no input
+ * scale or bias. False (nothing written) without VNNI. */
+PyObject *fxq_py_int8_groups_f32(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, is_addr, w_addr, sums_addr, cs_addr, bias_addr, out_addr;
+    Int8Groups p;
+    int status;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KKLL)(KKKKLLLL)K", &x_addr, &is_addr, &p.rows, &p.x_stride, &w_addr, &sums_addr,
+                          &cs_addr, &bias_addr, &p.in_features, &p.out_features, &p.n_pad, &p.group, &out_addr))
+        return NULL;
+    if (p.rows < 0 || p.in_features < 1 || p.out_features < 1 || p.x_stride < p.in_features || p.group < 4 ||
+        p.group % 4 || p.in_features % p.group || p.n_pad < p.out_features || p.n_pad % 32) {
+        PyErr_SetString(PyExc_ValueError, "int8_groups_f32: bad shape, stride or group");
+        return NULL;
+    }
+    if (!fxq_vnni_usable())
+        Py_RETURN_FALSE;
+    p.x = PTR(const float, x_addr);
+    p.input_scale = is_addr ? PTR(const float, is_addr) : NULL;
+    p.w = PTR(const int8_t, w_addr);
+    p.group_sums = PTR(const int32_t, sums_addr);
+    p.col_scale = PTR(const float, cs_addr);
+    p.bias = bias_addr ? PTR(const float, bias_addr) : NULL;
+    p.out = PTR(float, out_addr);
+    Py_BEGIN_ALLOW_THREADS
+    status = fxq_int8_groups_f32(&p);
+    Py_END_ALLOW_THREADS
+    if (status)
+        return PyErr_NoMemory();
+    Py_RETURN_TRUE;
+}
+
 /* weight_only_f32((x_ptr, input_scale_ptr, rows, x_stride), (w_ptr, scale_ptr, bias_ptr, in_features, out_features,
  *                 group), (out_ptr, out_stride)) -> None
  *

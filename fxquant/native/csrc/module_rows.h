@@ -9,6 +9,7 @@
 FXQ_INTERNAL PyObject *fxq_py_quantize_rows_s8(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_rescale_rows(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_int8_rows_f32(PyObject *self, PyObject *args);
+FXQ_INTERNAL PyObject *fxq_py_int8_groups_f32(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args);
 
 #endif

@@ -9,6 +9,7 @@
  *   patches.c     patches_u8: a kernel == stride transposed conv on AVX512-VNNI and AMX (the same wrappers)
  *   weight_only.c weight_only_f32: a few-row float32 Linear on int8 weights (fxquant/native/weight_only.py)
  *   int8_rows.c   int8_rows_f32: a few-row per-token INT8 Linear on AVX512-VNNI (fxquant/native/per_token.py)
+ *   int8_groups.c int8_groups_f32: a per-group dynamic INT8 Linear on AVX512-VNNI (fxquant/native/per_group.py)
  * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share)
  * Each struct is one Python tuple of the same fields in the same order (fxquant/native/_native.pyi), and each kernel
  * gives the bytes of the torch or engine path it replaces (the tests compare them with torch.equal). setup.py
@@ -239,5 +240,25 @@ typedef struct {
 
 /* 0, or -1 where the quantized rows could not be allocated (nothing written). Only where fxq_vnni_usable(). */
 FXQ_INTERNAL int fxq_int8_rows_f32(const Int8Rows *p);
+
+/* ---- int8_groups.c ---- */
+
+/* rows x in_features float32 rows (x_stride floats apart), each times input_scale (NULL: none) before each group of
+ * `group` inputs is quantized; packed int8 weights (n_pad / 32, in_features / 4, 32, 4) with group_sums (in_features / group,
+ * n_pad) int32, 128 times the sum of each group's weights of each output; a float32 scale and optional bias (NULL)
+ * per output; rows x out_features dense float32 outputs. group divides in_features and is a multiple of 4; n_pad a
+ * multiple of 32, at least out_features, the weights beyond out_features zero. */
+typedef struct {
+    const float *x, *input_scale;
+    int64_t rows, x_stride;
+    const int8_t *w;
+    const int32_t *group_sums;
+    const float *col_scale, *bias;
+    int64_t in_features, out_features, n_pad, group;
+    float *out;
+} Int8Groups;
+
+/* 0, or -1 where the quantized rows could not be allocated (nothing written). Only where fxq_vnni_usable(). */
+FXQ_INTERNAL int fxq_int8_groups_f32(const Int8Groups *p);
 
 #endif
