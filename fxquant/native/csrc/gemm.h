@@ -1,11 +1,21 @@
-/* What amx_gemm.c and patches.c share: the VNNI sums of a register tile of rows x output channels, and the AMX tile
- * configuration. Kernel code only (no Python), x86-64 GNU C only. */
+/* What the VNNI and AMX loops share (amx_gemm.c, patches.c, int8_rows.c, int8_groups.c): vpdpbusd, the VNNI sums of
+ * a register tile of rows x output channels, and the AMX tile configuration. Kernel code only (no Python), x86-64 GNU
+ * C only. */
 #ifndef FXQUANT_GEMM_H
 #define FXQUANT_GEMM_H
 
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+
+/* acc + the dot products of a's unsigned and b's signed bytes, four by four: vpdpbusd. In asm because gcc 12 gives
+ * _mm512_dpbusd_epi32 in a loop over an array of accumulators a copy of each accumulator through another register on
+ * every call, as many register moves as dot products. */
+__attribute__((target("avx512f,avx512vnni"), always_inline)) static inline __m512i fxq_dpbusd(__m512i acc, __m512i a,
+                                                                                             __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
 
 #define PATCH_ROWS 6
 #define PATCH_BLOCKS 4
@@ -34,7 +44,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                     four |= (int32_t)src[r][4 * kk + j] << (8 * j);
             const __m512i a = _mm512_set1_epi32(four);
             for (int c = 0; c < blocks; c++)
-                acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a, b[c]);
+                acc[r][c] = fxq_dpbusd(acc[r][c], a, b[c]);
         }
     }
 }

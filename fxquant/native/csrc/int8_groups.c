@@ -23,7 +23,7 @@
 #include "native.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
+#include "gemm.h"
 
 #define ROWS 6
 #define BLOCKS 2
@@ -36,15 +36,6 @@ typedef struct {
     const uint8_t *q;
     const float *scale;
 } GroupedRows;
-
-/* acc + the dot products of a's unsigned and b's signed bytes, four by four: vpdpbusd. In asm because gcc 12
- * gives _mm512_dpbusd_epi32 a copy of its accumulator through another register on every call in a loop, which
- * halves the rate of the dot products. */
-__attribute__((target("avx512f,avx512vnni"), always_inline)) static inline __m512i dpbusd(__m512i acc, __m512i a,
-                                                                                         __m512i b) {
-    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
-    return acc;
-}
 
 /* Groups [g0, g1) of `rows` rows from m0 against the block of outputs at n0: the running float sums come from
  * `partial` (rows x WIDTH, none before the first group) and go back there, or, after the last group, out. */
@@ -72,7 +63,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
                 memcpy(&four, src + r * p->group + 4 * kk, 4);
                 const __m512i a = _mm512_set1_epi32(four);
                 for (int c = 0; c < BLOCKS; c++)
-                    acc[r][c] = dpbusd(acc[r][c], a, b[c]);
+                    acc[r][c] = fxq_dpbusd(acc[r][c], a, b[c]);
             }
         }
         for (int c = 0; c < BLOCKS; c++) {

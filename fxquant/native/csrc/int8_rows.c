@@ -18,7 +18,7 @@
 #include "native.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
+#include "gemm.h"
 
 #define ROW_BLOCK 2
 #define COL_BLOCK 8
@@ -49,7 +49,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
             _mm_prefetch((const char *)(w[c] + COL_BLOCK * K + k), _MM_HINT_T0);
             const __m512i wc = _mm512_maskz_loadu_epi8(mask, w[c] + k);
             for (int r = 0; r < rows; r++)
-                acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], a[r], wc);
+                acc[r][c] = fxq_dpbusd(acc[r][c], a[r], wc);
         }
     }
     for (int c = 0; c < COL_BLOCK && n0 + c < N; c++)
