@@ -17,6 +17,8 @@ with, made on access.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -68,6 +70,14 @@ class SchemeLinear(nn.Module):
         kept)."""
         return self.dequantized_weight()
 
+    def derive_buffers(self) -> None:
+        """Make the buffers the kernel reads beside ``qweight`` and derives from it (none here): they are not part of
+        the state dict, so loading one makes them again."""
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self.derive_buffers()  # a loaded qweight must not meet sums of the weights it replaced
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
 
@@ -81,7 +91,10 @@ class DynamicInt8Linear(SchemeLinear):
 
     def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> None:
         super().__init__(weight, w_qp, bias)
-        # for the few-row VNNI loop (kernels.per_token); derived from qweight, so not part of the state dict
+        self.derive_buffers()
+
+    def derive_buffers(self) -> None:
+        # the int32 sums of each output's weights, for the few-row VNNI loop (kernels.per_token)
         self.register_buffer("weight_sums", self.qweight.sum(dim=1, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +109,7 @@ class DynamicGroupInt8Linear(SchemeLinear):
     ``group`` inputs share a scale (:func:`~fxquant.kernels.per_group.group_size`)."""
 
     scheme = "dynamic_group"
-    kernel = "VNNI per-group loop"
+    kernel = "VNNI per-group loop (without VNNI: float32 GEMMs per group)"
     group_sums: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None) -> None:
@@ -105,9 +118,12 @@ class DynamicGroupInt8Linear(SchemeLinear):
         if group is None:
             raise ValueError(f"DynamicGroupInt8Linear: {self.in_features} input features are not a multiple of 4")
         self.group = group
-        self.qweight, group_sums = pack_weights(self.qweight, group)
-        # for the VNNI loop; derived from qweight, so not part of the state dict
-        self.register_buffer("group_sums", group_sums, persistent=False)
+        self.qweight = pack_weights(self.qweight, group)[0]
+        self.derive_buffers()
+
+    def derive_buffers(self) -> None:
+        # 128 times each group's weight sum of each output, for the VNNI loop (kernels.per_group)
+        self.register_buffer("group_sums", pack_weights(self.int8_weight(), self.group)[1], persistent=False)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, weight: str) -> SchemeLinear:
