@@ -141,13 +141,17 @@ int fxq_int8_groups_f32(const Int8Groups *p) {
         free(scale);
         return -1;
     }
-    for (int64_t g = 0; g < G; g++)
+    uint8_t *u = (uint8_t *)q;
+    /* one parallel region for every group (a region per group costs a scheduler slice each on a busy machine); the
+     * quantize's own region inside runs on the calling thread (nested regions are inactive) */
+    FXQ_PARALLEL_FOR(total >= FXQ_PARALLEL_WORK)
+    for (int64_t g = 0; g < G; g++) {
         fxq_quantize_rows_s8(p->x + g * p->group, M, p->group, p->x_stride,
                              p->input_scale ? p->input_scale + g * p->group : NULL, q + g * M * p->group,
                              scale + g * M);
-    uint8_t *u = (uint8_t *)q;
-    for (int64_t i = 0; i < total; i++)
-        u[i] ^= 0x80;  /* q + 128 */
+        for (int64_t i = g * M * p->group; i < (g + 1) * M * p->group; i++)
+            u[i] ^= 0x80; /* q + 128 */
+    }
     const GroupedRows x = {u, scale};
     groups_vnni(p, &x);
     free(q);
