@@ -61,7 +61,7 @@ from fxquant.models.corpus import calibration_text, evaluation_text, perplexity,
 from fxquant.models.gguf_llama import load_gguf_llama, smollm2_path
 from fxquant.report.latency import LatencyStats, num_threads
 
-DEFAULT_RECIPE = '{"lm_head": "weight_only", "*": "dynamic_group"}'
+DEFAULT_RECIPE = '{"*": "dynamic_group"}'
 SIZES = {"calibration_windows": (16, 2), "evaluation_windows": (6, 1), "seq_len": (512, 64), "prefill_len": (512, 64),
          "prompt_len": (64, 16), "new_tokens": (64, 8), "rounds": (5, 2)}  # option -> (full run, --quick)
 PPL_LIMIT = {"fxq-wo": 1.003}  # perplexity / FP32's, at most; 1.01 for the W8A8 rows

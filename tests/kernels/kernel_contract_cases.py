@@ -72,6 +72,16 @@ def require_c_loops() -> None:
     assert native.loops is not None, "fxquant.native._native was not built: reinstall with a C compiler"
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's flags as /proc/cpuinfo lists them (what ``__builtin_cpu_supports`` in the C loops also reads)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")
+    return frozenset(line.split(":", 1)[1].split())
+
+
 @contextmanager
 def loop_threads(family: str) -> Iterator[None]:
     """torch's thread count capped at ``family``'s limit (``native.THREAD_LIMITS``): where its C loops may run."""

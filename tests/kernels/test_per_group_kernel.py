@@ -15,12 +15,11 @@ against an independent reference.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from kernel_contract_cases import require_c_loops
+from kernel_contract_cases import cpu_flags, require_c_loops
 
 from fxquant import native
 from fxquant.kernels import per_group as per_group_kernel
@@ -32,23 +31,13 @@ from fxquant.native.per_group import int8_groups_into
 TINY = torch.finfo(torch.float32).tiny
 
 
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's flags as /proc/cpuinfo lists them (what the C loop's ``__builtin_cpu_supports`` also reads)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")
-    return frozenset(line.split(":", 1)[1].split())
-
-
 def _vnni_allowed() -> bool:
-    return native.loops is not None and "avx512_vnni" in _cpu_flags() and isa_cap() >= ISA_LEVELS.index("vnni")
+    return native.loops is not None and "avx512_vnni" in cpu_flags() and isa_cap() >= ISA_LEVELS.index("vnni")
 
 
 def _require_vnni_loop() -> None:
     require_c_loops()
-    if "avx512_vnni" not in _cpu_flags():
+    if "avx512_vnni" not in cpu_flags():
         pytest.skip("the per-group loop needs AVX512-VNNI, which this CPU lacks")
     if isa_cap() < ISA_LEVELS.index("vnni"):
         pytest.skip("FXQUANT_ISA caps the loops below vnni")

@@ -13,12 +13,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from kernel_contract_cases import loop_threads, require_c_loops
+from kernel_contract_cases import cpu_flags, loop_threads, require_c_loops
 
 from fxquant import native
 from fxquant.kernels import per_token as per_token_kernel
@@ -30,16 +29,6 @@ from fxquant.native.per_token import int8_rows_into, quantize_rows_into, rescale
 from fxquant.native.weight_only import weight_only_into
 
 U = 2.0**-24  # float32's unit roundoff: every float32 operation's relative error is at most this
-
-
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's flags as /proc/cpuinfo lists them (what ``__builtin_cpu_supports`` in the C loop also reads)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")
-    return frozenset(line.split(":", 1)[1].split())
 
 
 def _int8_weights(out_features: int, in_features: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +174,7 @@ def test_per_token_c_loops_run_and_give_the_torch_bytes() -> None:
     with loop_threads("elementwise"):
         assert rescale_rows_into(out, acc, row_scale, scale, bias), "the C rescale did not run"
     assert torch.equal(out, want)
-    if "avx512_vnni" not in _cpu_flags() or isa_cap() < ISA_LEVELS.index("vnni"):
+    if "avx512_vnni" not in cpu_flags() or isa_cap() < ISA_LEVELS.index("vnni"):
         pytest.skip("the VNNI rows loop needs AVX512-VNNI, which this CPU (or FXQUANT_ISA) does not allow")
     sums = weight.sum(dim=1, dtype=torch.int32)
     for smoothing in (None, input_scale):  # the quantize, VNNI sums and rescale of one call, then SmoothQuant's too
@@ -199,7 +188,7 @@ def test_per_token_c_loops_run_and_give_the_torch_bytes() -> None:
 def test_per_token_linear_takes_the_vnni_rows_loop(monkeypatch: pytest.MonkeyPatch) -> None:
     """With weight sums, up to its LOOP_ROWS rows run on the VNNI rows loop (which ran), more on torch._int_mm."""
     require_c_loops()
-    if "avx512_vnni" not in _cpu_flags() or isa_cap() < ISA_LEVELS.index("vnni"):
+    if "avx512_vnni" not in cpu_flags() or isa_cap() < ISA_LEVELS.index("vnni"):
         pytest.skip("the VNNI rows loop needs AVX512-VNNI, which this CPU (or FXQUANT_ISA) does not allow")
     returned: list[bool] = []
 
@@ -286,7 +275,7 @@ def loop_path(request: pytest.FixtureRequest) -> Iterator[str]:
     """One of the C loop's three paths: the ISA capped so that it is the one taken (restored afterwards), or a skip
     where this CPU cannot take it."""
     require_c_loops()
-    flags = _cpu_flags()
+    flags = cpu_flags()
     path = str(request.param)
     if path == "avx512" and not {"avx512f", "avx512bw", "avx512vl"} <= flags:
         pytest.skip("the AVX-512 path needs avx512f, avx512bw and avx512vl, which this CPU lacks")
@@ -373,7 +362,7 @@ def test_the_isa_cap_selects_another_path() -> None:
     two caps give different bytes (both within the tolerance). Equal bytes would mean the cap changed nothing and
     the AVX2 tests above ran the AVX-512 path."""
     require_c_loops()
-    if not {"avx512f", "avx512bw", "avx512vl", "avx2", "fma"} <= _cpu_flags():
+    if not {"avx512f", "avx512bw", "avx512vl", "avx2", "fma"} <= cpu_flags():
         pytest.skip("needs a CPU with both the AVX-512 and the AVX2 paths")
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 4000, generator=gen)
