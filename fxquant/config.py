@@ -166,8 +166,8 @@ class QuantConfig:
         Why: a decoder's activations carry a few tokens (the first, punctuation: attention sinks) 10-1000x larger
         than the rest, so one calibrated range per tensor leaves the other tokens a handful of int8 steps; per-token
         scales give each token its own, and a scale per group of each token's inputs keeps its few outlier
-        channels from costing the other channels their steps too, at the speed of per-token scales
-        (docs/quantization.md "Schemes" has the measurements).
+        channels from costing the other channels their steps too, for a few percent more prefill time than per-token
+        scales and less decode time (docs/quantization.md "Schemes" has the measurements).
         """
         if self.scheme != AUTO_SCHEME:
             return self

@@ -11,10 +11,10 @@
  * the same bytes, at any number of rows and threads. vpdpbusd multiplies unsigned by signed bytes, so the quantized
  * rows are offset to unsigned (q + 128, a flip of the sign bit) and 128 times each group's weight sum
  * (group_sums) comes off its int32 sum. The weights are packed (n_pad / 32, in_features / 4, 32, 4): each block of
- * 32 outputs in one run, four consecutive inputs of one output together, sixteen outputs per 64 bytes, so a tile of ROWS rows x BLOCKS * 16 outputs broadcasts
- * four input bytes of a row against 64 weight bytes. The tiles are split over torch's threads (FXQ_PARALLEL_FOR),
- * each thread taking a run of them over one block of outputs, whose weights stay in L1 from tile to tile. Arguments arrive checked (module_rows.c);
- * runs without the GIL, only where fxq_vnni_usable().
+ * 32 outputs in one run, four consecutive inputs of one output together, sixteen outputs per 64 bytes, so a tile of
+ * ROWS rows x BLOCKS * 16 outputs broadcasts four input bytes of a row against 64 weight bytes per block. Work items
+ * (a block of outputs against a panel of rows, groups_vnni) are split over torch's threads (FXQ_PARALLEL_FOR).
+ * Arguments arrive checked (module_rows.c); runs without the GIL, only where fxq_vnni_usable().
  */
 #include <stdint.h>
 #include <stdlib.h>
