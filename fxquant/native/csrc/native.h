@@ -246,8 +246,8 @@ FXQ_INTERNAL int fxq_int8_rows_f32(const Int8Rows *p);
 /* rows x in_features float32 rows (x_stride floats apart), each times input_scale (NULL: none) before each group of
  * `group` inputs is quantized; packed int8 weights (n_pad / 32, in_features / 4, 32, 4) with group_sums
  * (in_features / group, n_pad) int32, 128 times the sum of each group's weights of each output; a float32 scale and
- * optional bias (NULL) per output; rows x out_features dense float32 outputs. group divides in_features and is a multiple of 4; n_pad a
- * multiple of 32, at least out_features, the weights beyond out_features zero. */
+ * optional bias (NULL) per output; rows x out_features dense float32 outputs. group divides in_features and is a
+ * multiple of 4; n_pad a multiple of 32, at least out_features, the weights beyond out_features zero. */
 typedef struct {
     const float *x, *input_scale;
     int64_t rows, x_stride;
