@@ -166,10 +166,17 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
                   for v in example_inputs if v is None or isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped,
                                     channels_last=runs_channels_last(gm, example_inputs))
-    has_scheme_layers = any(scheme_layers(g) for g in (gm, *prepared_islands(gm).values()))
-    if not observers_of(gm) and not has_scheme_layers:  # documented (docs/robustness.md): a no-op, not an error
+    graphs = (gm, *prepared_islands(gm).values())
+    unsmoothed = sum(len(scheme_layers(g)) for g in graphs)
+    if not observers_of(gm) and not unsmoothed:  # documented (docs/robustness.md): a no-op, not an error
         log.warning("fxquant: %s has no Linear/Conv layer to quantize (all excluded or untraceable); "
                     "convert() will return it unchanged, in float", type(model).__name__)
+    if config.smoothquant_alpha is not None and unsmoothed:
+        log.warning("fxquant: smoothquant_alpha=%s does not reach the %d Linear(s) on a float-in, float-out scheme "
+                    "(%s): they observe nothing at prepare, so they run unsmoothed. For SmoothQuant with that scheme, "
+                    "prepare with QuantConfig(scheme='static', smoothquant_alpha=...), calibrate, then switch at "
+                    "convert: convert(prepared, schemes={'*': %r}) (CLI: --scheme '*=%s')", config.smoothquant_alpha,
+                    unsmoothed, config.scheme, config.scheme, config.scheme)
     return gm
 
 

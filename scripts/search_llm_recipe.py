@@ -48,7 +48,8 @@ class Perplexity:
 
 def search(model: nn.Module, args: argparse.Namespace, calibration: list[torch.Tensor],
            metric: Perplexity) -> FallbackResult:
-    config = fxquant.QuantConfig(smoothquant_alpha=args.smoothquant_alpha)
+    # static at prepare, so SmoothQuant's statistics are collected; every trial then switches layers to the schemes
+    config = fxquant.QuantConfig(scheme="static", smoothquant_alpha=args.smoothquant_alpha)
     qmodel = quantize_within_budget(model, (calibration[0],), calibration, config, eval_fn=metric,
                                     higher_is_better=False, max_relative_drop=args.budget,
                                     fallback=args.fallback, schemes={"*": args.base}, granularity="kind",

@@ -307,7 +307,7 @@ def quantize_within_budget(model: nn.Module, example_inputs: Any, data: Iterable
     max_accuracy_drop=...)`` and the CLI's ``--max-accuracy-drop`` call. Example (perplexity within +1%, a dynamic base
     with weight-only fallback)::
 
-        qmodel = quantize_within_budget(model, (ids,), windows, QuantConfig(smoothquant_alpha=0.4),
+        qmodel = quantize_within_budget(model, (ids,), windows, QuantConfig(scheme="static", smoothquant_alpha=0.4),
                                         eval_fn=lambda m: perplexity(m, test), higher_is_better=False,
                                         max_relative_drop=1, fallback="weight_only", schemes={"*": "dynamic"},
                                         granularity="kind")

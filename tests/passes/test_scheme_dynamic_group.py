@@ -10,6 +10,7 @@ its own.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -212,3 +213,18 @@ def test_coverage_names_the_scheme_and_counts_its_macs_as_int8() -> None:
     assert report.int8_mac_fraction == 1.0, report.int8_mac_fraction
     summary = str(report).splitlines()[-1]
     assert "3/3" in summary and "weight-only" not in summary, summary
+
+
+def test_smoothquant_on_a_scheme_at_prepare_warns_that_it_does_not_reach_those_layers(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Scheme layers observe nothing at prepare, so ``smoothquant_alpha`` cannot smooth them: prepare says so and
+    names the way that works (static at prepare, the scheme at convert); a static prepare is not warned about."""
+    example = _batch("narrow", 4, 0)
+    with caplog.at_level(logging.WARNING, logger="fxquant"):
+        fxquant.prepare(_mlp(), example, QuantConfig(scheme="dynamic_group", smoothquant_alpha=0.5))
+    warned = [r.getMessage() for r in caplog.records if "smoothquant_alpha" in r.getMessage()]
+    assert len(warned) == 1 and "3 Linear(s)" in warned[0] and "scheme='static'" in warned[0], warned
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fxquant"):
+        fxquant.prepare(_mlp(), example, QuantConfig(scheme="static", smoothquant_alpha=0.5))
+    assert not [r for r in caplog.records if "smoothquant_alpha" in r.getMessage()]
