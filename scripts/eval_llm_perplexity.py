@@ -10,7 +10,7 @@ fxquant:
 The model is the GGUF's Q4_1 weights dequantized to a float32 ``transformers.LlamaForCausalLM``
 (:mod:`fxquant.models.gguf_llama`); the text is Python standard-library docstrings, calibration and evaluation from
 disjoint modules (:mod:`fxquant.models.corpus`). fxquant calibrates once with static W8A8 (``scheme="static"``: the
-default ``"auto"`` gives a decoder dynamic per-token layers, which have no ranges to keep float) on consecutive
+default ``"auto"`` gives a decoder dynamic per-group layers, which have no ranges to keep float) on consecutive
 calibration windows; every INT8 row converts that one calibration (``keep_float`` keeps the matching layers float).
 The uncalibrated scheme rows follow: ``scheme="dynamic"`` (per-token) and ``"dynamic_group"`` at each ``--groups``
 size (``fxquant.kernels.per_group.GROUP``, set for the row). Perplexity is exp of the mean next-token cross entropy

@@ -62,7 +62,7 @@ class Decoder:
 
 
 def _params() -> list[Any]:
-    """Each decoder with the default config (``scheme="auto"``: dynamic per-token for the decoder-only ones), and the
+    """Each decoder with the default config (``scheme="auto"``: dynamic per-group for the decoder-only ones), and the
     default ones with static W8A8 too."""
     params = [pytest.param((name, "auto"), marks=() if name in DEFAULT else pytest.mark.slow, id=name)
               for name in DECODERS]
