@@ -38,6 +38,7 @@ from fxquant.passes.islands import (
     prepared_islands,
     wrap_untraceable_root,
 )
+from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.passes.pipeline import prepare_graph
 from fxquant.passes.schemes import lower_schemes, scheme_layers, unwrap_layer_islands
 from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
@@ -166,17 +167,18 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
                   for v in example_inputs if v is None or isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped,
                                     channels_last=runs_channels_last(gm, example_inputs))
-    graphs = (gm, *prepared_islands(gm).values())
-    unsmoothed = sum(len(scheme_layers(g)) for g in graphs)
+    unsmoothed = [node.meta[LAYER_SETTINGS].scheme for g in (gm, *prepared_islands(gm).values())
+                  for node in scheme_layers(g)]
     if not observers_of(gm) and not unsmoothed:  # documented (docs/robustness.md): a no-op, not an error
         log.warning("fxquant: %s has no Linear/Conv layer to quantize (all excluded or untraceable); "
                     "convert() will return it unchanged, in float", type(model).__name__)
     if config.smoothquant_alpha is not None and unsmoothed:
+        scheme = unsmoothed[0]  # the config's, or an override's
         log.warning("fxquant: smoothquant_alpha=%s does not reach the %d Linear(s) on a float-in, float-out scheme "
-                    "(%s): they observe nothing at prepare, so they run unsmoothed. For SmoothQuant with that scheme, "
-                    "prepare with QuantConfig(scheme='static', smoothquant_alpha=...), calibrate, then switch at "
-                    "convert: convert(prepared, schemes={'*': %r}) (CLI: --scheme '*=%s')", config.smoothquant_alpha,
-                    unsmoothed, config.scheme, config.scheme, config.scheme)
+                    "(%s): they observe nothing at prepare, so they run unsmoothed. For SmoothQuant with such a "
+                    "scheme, prepare them static (QuantConfig(scheme='static', smoothquant_alpha=...)), calibrate, "
+                    "then switch at convert: convert(prepared, schemes={'*': %r}) (CLI: --scheme '*=%s')",
+                    config.smoothquant_alpha, len(unsmoothed), ", ".join(sorted(set(unsmoothed))), scheme, scheme)
     return gm
 
 

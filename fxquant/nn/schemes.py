@@ -118,11 +118,12 @@ class DynamicGroupInt8Linear(SchemeLinear):
         if group is None:
             raise ValueError(f"DynamicGroupInt8Linear: {self.in_features} input features are not a multiple of 4")
         self.group = group
-        self.qweight = pack_weights(self.qweight, group)[0]
-        self.derive_buffers()
+        self.qweight, group_sums = pack_weights(self.qweight, group)
+        self.register_buffer("group_sums", group_sums, persistent=False)
 
     def derive_buffers(self) -> None:
-        # 128 times each group's weight sum of each output, for the VNNI loop (kernels.per_group)
+        # 128 times each group's weight sum of each output, for the VNNI loop (kernels.per_group); made with the
+        # packing in __init__, again here for a loaded qweight
         self.register_buffer("group_sums", pack_weights(self.int8_weight(), self.group)[1], persistent=False)
 
     @classmethod

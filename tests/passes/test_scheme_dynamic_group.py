@@ -225,6 +225,12 @@ def test_smoothquant_on_a_scheme_at_prepare_warns_that_it_does_not_reach_those_l
     warned = [r.getMessage() for r in caplog.records if "smoothquant_alpha" in r.getMessage()]
     assert len(warned) == 1 and "3 Linear(s)" in warned[0] and "scheme='static'" in warned[0], warned
     caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fxquant"):  # one layer on the scheme by an override: named so
+        fxquant.prepare(_mlp(), example, QuantConfig(scheme="static", smoothquant_alpha=0.5,
+                                                      overrides={"4": {"scheme": "dynamic_group"}}))
+    warned = [r.getMessage() for r in caplog.records if "smoothquant_alpha" in r.getMessage()]
+    assert len(warned) == 1 and "1 Linear(s) on a float-in, float-out scheme (dynamic_group)" in warned[0], warned
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="fxquant"):
         fxquant.prepare(_mlp(), example, QuantConfig(scheme="static", smoothquant_alpha=0.5))
     assert not [r for r in caplog.records if "smoothquant_alpha" in r.getMessage()]
