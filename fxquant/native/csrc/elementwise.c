@@ -256,9 +256,9 @@ void fxq_copy_rows(const ByteRows *src_rows, const ByteRows *dst_rows, int64_t r
             memcpy(dst + r * ds, src + r * ss, (size_t)width);
 }
 
-/* One row of fxq_quantize_rows_s8 (below), any CPU (the AVX2 clone vectorizes the quantize, not the max). */
-VECTOR_CLONES static void quantize_row_scalar(const float *row, int64_t width, const float *input_scale, int8_t *q,
-                                              float *scale) {
+/* One row of fxq_quantize_groups (below), any CPU (the AVX2 clone vectorizes the quantize, not the max). */
+VECTOR_CLONES static void quantize_row_scalar(const float *row, int64_t width, const float *input_scale, int offset,
+                                              uint8_t *q, float *scale) {
     float amax = 0.0f;
     if (input_scale)
         for (int64_t k = 0; k < width; k++) {
@@ -273,9 +273,10 @@ VECTOR_CLONES static void quantize_row_scalar(const float *row, int64_t width, c
     const float s = amax / 127.0f, rs = s > FLT_MIN ? s : FLT_MIN;
     *scale = rs;
     if (input_scale)
-        for (int64_t k = 0; k < width; k++) q[k] = (int8_t)quantized(row[k] * input_scale[k], rs, -127.0f, 127.0f);
+        for (int64_t k = 0; k < width; k++)
+            q[k] = (uint8_t)((int)quantized(row[k] * input_scale[k], rs, -127.0f, 127.0f) + offset);
     else
-        for (int64_t k = 0; k < width; k++) q[k] = (int8_t)quantized(row[k], rs, -127.0f, 127.0f);
+        for (int64_t k = 0; k < width; k++) q[k] = (uint8_t)((int)quantized(row[k], rs, -127.0f, 127.0f) + offset);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -288,8 +289,8 @@ __attribute__((target("avx512f,avx512bw"))) static inline __m512 scaled_lanes(co
 }
 
 __attribute__((target("avx512f,avx512bw"))) static void quantize_row_avx512(const float *row, int64_t width,
-                                                                           const float *input_scale, int8_t *q,
-                                                                           float *scale) {
+                                                                           const float *input_scale, int offset,
+                                                                           uint8_t *q, float *scale) {
     __m512 amax = _mm512_setzero_ps(); /* masked-off lanes load 0, which changes no maximum of magnitudes */
     for (int64_t k = 0; k < width; k += 16) {
         const __mmask16 mask = width - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (width - k)) - 1u);
@@ -299,35 +300,56 @@ __attribute__((target("avx512f,avx512bw"))) static void quantize_row_avx512(cons
     *scale = rs;
     const __m512 vs = _mm512_set1_ps(rs), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
     const __m512 below = _mm512_set1_ps(-128.0f), above = _mm512_set1_ps(128.0f);
+    const __m512i shift = _mm512_set1_epi32(offset);
     for (int64_t k = 0; k < width; k += 16) {
         const __mmask16 mask = width - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (width - k)) - 1u);
         __m512 v = _mm512_div_ps(scaled_lanes(row, input_scale, k, mask), vs);
         v = _mm512_min_ps(_mm512_max_ps(v, below), above);
         v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm512_mask_cvtepi32_storeu_epi8(q + k, mask, _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi)));
+        const __m512i level = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(v, lo), hi));
+        _mm512_mask_cvtepi32_storeu_epi8(q + k, mask, _mm512_add_epi32(level, shift)); /* truncated to a byte */
     }
 }
 #define HAVE_AVX512_QUANTIZE_ROWS 1
 #endif
 
-/* Symmetric per-row int8 (dynamic per-token activations) of y = x * input_scale (per column; x itself where
- * input_scale is NULL): scale[m] = max(max_k |y[m, k]| / 127, FLT_MIN) and q[m, k] = clamp(round(y[m, k] /
- * scale[m]), -127, 127), as fxquant.kernels.per_token.quantize_rows computes them (y rounded once, as torch's mul
- * rounds it; computed in both passes, the same bits each time). With AVX-512, 16 values per step: the compiler
- * keeps the scalar maximum's NaN rule by leaving that loop scalar, a pass as slow as the rest together. */
-void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride, const float *input_scale,
-                          int8_t *q, float *scale) {
+/* Symmetric int8 per group of `group` consecutive values of each row (dynamic per-token activations where group is
+ * the width, per-group ones below it) of y = x * input_scale (per column; x itself where input_scale is NULL):
+ * scale = max(max |y| / 127, FLT_MIN) over the group and level = clamp(round(y / scale), -127, 127), as
+ * fxquant.kernels.per_token.quantize_rows computes them (y rounded once, as torch's mul rounds it; computed in both
+ * passes, the same bits each time). Stored as the byte level + offset (0: int8; 128: the unsigned bytes vpdpbusd
+ * reads) laid out (groups, rows, group), scales (groups, rows). Each thread takes whole rows, read in order (a
+ * group-major walk over a wide row-major input strides by a row per step: 4x slower on 2048 columns). With
+ * AVX-512, 16 values per step: the compiler keeps the scalar maximum's NaN rule by leaving that loop scalar, a pass
+ * as slow as the rest together. */
+void fxq_quantize_groups(const float *x, int64_t rows, int64_t width, int64_t x_stride, const float *input_scale,
+                         int64_t group, int offset, uint8_t *q, float *scale) {
+    const int64_t groups = width / group;
 #ifdef HAVE_AVX512_QUANTIZE_ROWS
-    if (fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw")) {
-        FXQ_PARALLEL_FOR(rows * width >= FXQ_PARALLEL_WORK)
-        for (int64_t m = 0; m < rows; m++)
-            quantize_row_avx512(x + m * x_stride, width, input_scale, q + m * width, scale + m);
-        return;
-    }
+    const int avx512 = fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw");
+#else
+    const int avx512 = 0;
 #endif
     FXQ_PARALLEL_FOR(rows * width >= FXQ_PARALLEL_WORK)
     for (int64_t m = 0; m < rows; m++)
-        quantize_row_scalar(x + m * x_stride, width, input_scale, q + m * width, scale + m);
+        for (int64_t g = 0; g < groups; g++) {
+            const float *row = x + m * x_stride + g * group, *factors = input_scale ? input_scale + g * group : NULL;
+            uint8_t *out = q + (g * rows + m) * group;
+            float *s = scale + g * rows + m;
+#ifdef HAVE_AVX512_QUANTIZE_ROWS
+            if (avx512) {
+                quantize_row_avx512(row, group, factors, offset, out, s);
+                continue;
+            }
+#endif
+            quantize_row_scalar(row, group, factors, offset, out, s);
+        }
+    (void)avx512;
+}
+
+void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride, const float *input_scale,
+                          int8_t *q, float *scale) {
+    fxq_quantize_groups(x, rows, width, x_stride, input_scale, width, 0, (uint8_t *)q, scale);
 }
 
 /* out[m, n] = float(acc[m, n]) * row_scale[m] * col_scale[n] (+ bias[n]), rounded after each operation as torch's

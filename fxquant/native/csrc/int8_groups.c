@@ -3,7 +3,7 @@
  * fxquant.kernels.per_group.per_group_linear for float32 rows.
  *
  * Each row, times SmoothQuant's input_scale where there is one, is quantized per group of `group` consecutive inputs
- * with fxq_quantize_rows_s8 (elementwise.c; each group of a row its own symmetric scale max|x| / 127), into a
+ * with fxq_quantize_groups (elementwise.c; each group of a row its own symmetric scale max|x| / 127), into a
  * buffer of this call laid out (groups, rows, group). Then, per output,
  *     out[m, n] = (sum over groups g, in order, of float(S_g[m, n]) * scale[g, m]) * col_scale[n] (+ bias[n])
  * where S_g is the exact int32 sum of one group's products and each step of the float sum is a product rounded
@@ -134,27 +134,17 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void groups_vnni(c
 int fxq_int8_groups_f32(const Int8Groups *p) {
 #if defined(__x86_64__) && defined(__GNUC__)
     const int64_t M = p->rows, K = p->in_features, G = K / p->group, total = M * K;
-    int8_t *q = (int8_t *)malloc((size_t)total + 1);
+    uint8_t *u = (uint8_t *)malloc((size_t)total + 1);
     float *scale = (float *)malloc((size_t)(G * M) * sizeof(float) + 1);
-    if (q == NULL || scale == NULL) {
-        free(q);
+    if (u == NULL || scale == NULL) {
+        free(u);
         free(scale);
         return -1;
     }
-    uint8_t *u = (uint8_t *)q;
-    /* one parallel region for every group (a region per group costs a scheduler slice each on a busy machine); the
-     * quantize's own region inside runs on the calling thread (nested regions are inactive) */
-    FXQ_PARALLEL_FOR(total >= FXQ_PARALLEL_WORK)
-    for (int64_t g = 0; g < G; g++) {
-        fxq_quantize_rows_s8(p->x + g * p->group, M, p->group, p->x_stride,
-                             p->input_scale ? p->input_scale + g * p->group : NULL, q + g * M * p->group,
-                             scale + g * M);
-        for (int64_t i = g * M * p->group; i < (g + 1) * M * p->group; i++)
-            u[i] ^= 0x80; /* q + 128 */
-    }
+    fxq_quantize_groups(p->x, M, K, p->x_stride, p->input_scale, p->group, 128, u, scale); /* q + 128 */
     const GroupedRows x = {u, scale};
     groups_vnni(p, &x);
-    free(q);
+    free(u);
     free(scale);
 #else
     (void)p; /* never called: fxq_vnni_usable() is 0 here */

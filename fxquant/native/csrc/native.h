@@ -124,6 +124,10 @@ FXQ_INTERNAL void fxq_copy_rows(const ByteRows *src, const ByteRows *dst, int64_
  * -> dense int8 and a float32 scale per row. */
 FXQ_INTERNAL void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride,
                                        const float *input_scale, int8_t *q, float *scale);
+/* The same per group of `group` values of each row, stored as level + offset (0 or 128) laid out (groups, rows,
+ * group) with scales (groups, rows): the per-group dynamic INT8 Linear's quantize (int8_groups.c). */
+FXQ_INTERNAL void fxq_quantize_groups(const float *x, int64_t rows, int64_t width, int64_t x_stride,
+                                      const float *input_scale, int64_t group, int offset, uint8_t *q, float *scale);
 /* Dense int32 sums -> dense float32: times a per-row and a per-column scale, plus an optional bias (NULL). */
 FXQ_INTERNAL void fxq_rescale_rows(const int32_t *acc, int64_t rows, int64_t width, const float *row_scale,
                                    const float *col_scale, const float *bias, float *out);
