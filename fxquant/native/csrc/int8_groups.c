@@ -50,10 +50,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
     for (int64_t g = g0; g < g1; g++) {
         const int8_t *w = p->w + n0 * K + g * steps * 64 * BLOCKS; /* block n0 / 32, group g */
         const uint8_t *src = x->q + (g * M + m0) * p->group;
-        __m512i acc[ROWS][BLOCKS];
-        for (int r = 0; r < rows; r++)
-            for (int c = 0; c < BLOCKS; c++)
-                acc[r][c] = _mm512_setzero_si512();
+        __m512i acc[ROWS][BLOCKS]; /* start at -128 * the group's weight sums: the int32 sums come out exact */
+        for (int c = 0; c < BLOCKS; c++) {
+            const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                                   _mm512_loadu_si512(p->group_sums + g * np + n0 + 16 * c));
+            for (int r = 0; r < rows; r++)
+                acc[r][c] = start;
+        }
         for (int64_t kk = 0; kk < steps; kk++) {
             __m512i b[BLOCKS];
             for (int c = 0; c < BLOCKS; c++)
@@ -67,9 +70,8 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"), always_inline)) static inl
             }
         }
         for (int c = 0; c < BLOCKS; c++) {
-            const __m512i offset = _mm512_loadu_si512(p->group_sums + g * np + n0 + 16 * c);
             for (int r = 0; r < rows; r++) {
-                const __m512 sum = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset));
+                const __m512 sum = _mm512_cvtepi32_ps(acc[r][c]);
                 const __m512 scaled = _mm512_mul_ps(sum, _mm512_set1_ps(x->scale[g * M + m0 + r]));
                 total[r][c] = _mm512_add_ps(total[r][c], scaled);
             }
