@@ -230,7 +230,8 @@ def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = 
 
 
 def _check_observed(prepared: fx.GraphModule, config: QuantConfig) -> None:
-    observers = observers_of(prepared).values()
+    # statistics for SmoothQuant and bias correction sit beside the activation observers of the same layers
+    observers = [obs for obs in observers_of(prepared).values() if obs.kind == "activation"]
     empty = [obs.label for obs in observers if not obs.has_data]
     if not empty:
         return

@@ -41,9 +41,12 @@ class FakeQuantize(nn.Module):
 
 @torch.no_grad()
 def simulate(prepared: fx.GraphModule, backend: str | None = None) -> fx.GraphModule:
-    """The fake-quant float model equivalent to ``convert(prepared, backend=backend)``."""
+    """The fake-quant float model equivalent to ``convert(prepared, backend=backend)``: of
+    :func:`fxquant.api.apply_statistics` (SmoothQuant, bias correction, ... as convert applies them)."""
+    from fxquant.api import apply_statistics  # lazy: the API sits above the testing helpers
+
     kernel = get_backend(backend or quant_state(prepared).config.backend)
-    gm = copy.deepcopy(prepared)
+    gm = apply_statistics(prepared)
     activation_qparams = observer_qparams(gm, kernel)
     for node in gm.graph.nodes:
         user = only_user(node)

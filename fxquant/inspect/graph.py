@@ -15,13 +15,14 @@ from fxquant.state import graph_of
 
 
 def node_role(node: fx.Node, modules: dict[str, nn.Module]) -> str:
-    """``observer``, ``quantize``, ``dequantize``, ``int8[<backend>]``, ``int8[<scheme>]`` (a dynamic or weight-only
-    Linear, float in and out) or empty for float nodes."""
+    """``observer`` (an activation's range), ``statistics`` (for SmoothQuant or bias correction at convert),
+    ``quantize``, ``dequantize``, ``int8[<backend>]``, ``int8[<scheme>]`` (a dynamic or weight-only Linear, float in
+    and out) or empty for float nodes."""
     if node.op != "call_module":
         return ""
     module = modules.get(str(node.target))
     if isinstance(module, Observer):
-        return "observer"
+        return "observer" if module.kind == "activation" else module.kind
     if isinstance(module, Quantize):
         return "quantize"
     if isinstance(module, DeQuantize):

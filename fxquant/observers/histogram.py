@@ -190,9 +190,10 @@ class HistogramObserverBase(Observer):
         return f"{super().extra_repr()}, bins={self.bins}, sample_values={self.sample_values}"
 
 
-def sample_stride(runs: int, budget: int) -> int:
-    """The smallest prime ``k`` such that every ``k``-th of ``runs`` runs is at most ``budget`` values plus one run."""
-    stride = max(2, math.ceil(runs * SAMPLE_BLOCK / budget))
+def sample_stride(runs: int, budget: int, run_values: int = SAMPLE_BLOCK) -> int:
+    """The smallest prime ``k`` such that every ``k``-th of ``runs`` runs of ``run_values`` values is at most
+    ``budget`` values plus one run."""
+    stride = max(2, math.ceil(runs * run_values / budget))
     while any(stride % d == 0 for d in range(2, math.isqrt(stride) + 1)):
         stride += 1
     return stride

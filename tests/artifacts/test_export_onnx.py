@@ -62,8 +62,6 @@ def _conv(*after: nn.Module) -> Callable[[], nn.Module]:
 
 
 IMAGE = (3, 12, 12)
-_SIGMOID_REASON = ("measured 2.0 steps at 1 of 18432 values (the QDQ form's own eager run too): the conv before the "
-                   "(exact) sigmoid table rounds one step from the reference there, and sigmoid's slope doubles it")
 CASES = {
     "conv2d": Case(_conv(), IMAGE),
     "conv2d_relu": Case(_conv(nn.ReLU()), IMAGE),
@@ -87,7 +85,9 @@ CASES = {
     "sigmoid": Case(_conv(nn.Sigmoid()), IMAGE),
     "conv_transpose2d": Case(lambda: nn.Sequential(nn.ConvTranspose2d(3, 8, 2, stride=2)), IMAGE),
 }
-XFAIL = {"sigmoid": _SIGMOID_REASON}
+# Output steps allowed beyond one: where the conv before sigmoid's exact table rounds one step from the reference (a
+# tie; 2.0 steps at 1 of 18432 values was measured, the QDQ form's own eager run too), sigmoid's slope doubles it
+EXTRA_STEPS = {"sigmoid": 1}
 
 TOKENS = 32
 # Well-conditioned zoo variants (tests/test_zoo_quantization.py: random deep nets with depthwise stages are chaotic)
@@ -101,12 +101,11 @@ NEEDS_ONEDNN = pytest.mark.skipif("onednn" not in available_backends(), reason="
 ZOO_PARAMS = [pytest.param(name, marks=[NEEDS_ONEDNN] + ([] if name == "mlp" else [SLOW])) for name in ZOO]
 
 
-def _case_params(xfail: dict[str, str]) -> list[Any]:
+def _case_params() -> list[Any]:
     params = []
     for name, case in CASES.items():
         missing = {case.backend, case.against} - set(available_backends())
         marks = [pytest.mark.skip(reason=f"backend {sorted(missing)} not available here")] if missing else []
-        marks += [pytest.mark.xfail(strict=True, reason=xfail[name])] if name in xfail else []
         params.append(pytest.param(name, marks=marks))
     return params
 
@@ -192,21 +191,22 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Exported
     return build
 
 
-@pytest.mark.parametrize("name", _case_params(XFAIL))
+@pytest.mark.parametrize("name", _case_params())
 def test_single_op_within_one_output_step_of_the_reference(name: str, single: Callable[[str], Exported]) -> None:
     path, prepared, qmodel, fresh = single(name)
     expected = fxquant.convert(prepared, backend=CASES[name].against)(*fresh)
     got = _run(_session(path), fresh)
     assert got.shape == expected.shape
     steps = float((got - expected).abs().max()) / _output_step(qmodel)
-    assert steps <= 1 + STEP_SLACK, f"{name}: ORT is {steps:.3f} output steps from {CASES[name].against}"
+    allowed = 1 + EXTRA_STEPS.get(name, 0)
+    assert steps <= allowed + STEP_SLACK, f"{name}: ORT is {steps:.3f} output steps from {CASES[name].against}"
 
 
 # ORT 1.32's CPU provider has no INT8 transposed convolution: its QDQ ConvTranspose runs in float (docs/export.md)
 ORT_CPU_FLOAT = {"conv_transpose2d"}
 
 
-@pytest.mark.parametrize("name", [p for p in _case_params({}) if p.values[0] not in ORT_CPU_FLOAT])
+@pytest.mark.parametrize("name", [p for p in _case_params() if p.values[0] not in ORT_CPU_FLOAT])
 def test_single_op_runs_on_one_int8_kernel_per_layer(name: str, single: Callable[[str], Exported]) -> None:
     path, _, qmodel, fresh = single(name)
     ran = _kernels(path, fresh)

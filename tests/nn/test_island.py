@@ -45,16 +45,17 @@ class Net(nn.Module):
         return self.head(self.patch(x)).mean(1) * steps
 
 
-def _quantized(model: nn.Module) -> nn.Module:
+def _quantized(model: nn.Module, *, bias_correction: bool = True) -> nn.Module:
     torch.manual_seed(0)
     data = [torch.randn(2, 3, 16, 16) for _ in range(4)]
-    return fxquant.quantize(model, (data[0],), data, fxquant.QuantConfig(backend="reference"), progress=False)
+    config = fxquant.QuantConfig(backend="reference", bias_correction=bias_correction)
+    return fxquant.quantize(model, (data[0],), data, config, progress=False)
 
 
 def test_the_island_keeps_attributes_and_a_float_weight() -> None:
     torch.manual_seed(0)
     model = Net().eval()
-    qmodel = _quantized(model)
+    qmodel = _quantized(model, bias_correction=False)  # the float bias, exactly (not moved by bias correction)
     island = qmodel.get_submodule("patch.proj")
     assert isinstance(island, Island)
     assert (island.stride, island.kernel_size, island.in_channels) == ((4, 4), (4, 4), 3)

@@ -12,8 +12,8 @@ from fxquant.observers import Observer
 
 def _observer_labels(gm: torch.fx.GraphModule) -> list[str]:
     modules = dict(gm.named_modules())
-    return [modules[n.target].label for n in gm.graph.nodes
-            if n.op == "call_module" and isinstance(modules[n.target], Observer)]
+    observers = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(modules[n.target], Observer)]
+    return [modules[n.target].label for n in observers if modules[n.target].kind == "activation"]  # no statistics
 
 
 def test_one_input_observer_and_one_per_layer_output() -> None:

@@ -13,7 +13,7 @@ import fxquant
 from fxquant import QuantConfig
 from fxquant.api import apply_statistics
 from fxquant.passes import InputMeanObserver
-from fxquant.passes.bias_correction import Window, bias_shift, window_sums
+from fxquant.passes.bias_correction import SAMPLE_VALUES, Window, bias_shift, window_sums
 from fxquant.qparams import sqnr_db
 
 
@@ -23,18 +23,25 @@ def _per_tensor_fake_quant(weight: torch.Tensor) -> torch.Tensor:
     return torch.clamp(torch.round(weight / scale), -128, 127) * scale
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "float64"])
 @pytest.mark.parametrize("conv", [
     nn.Conv2d(4, 6, 3, padding=1, stride=2),
     nn.Conv2d(4, 4, 3, padding=2, dilation=2, groups=4, padding_mode="reflect"),
     nn.Conv2d(4, 6, (2, 3), padding="same", groups=2),
+    nn.Conv2d(4, 6, 1),
     nn.Conv1d(4, 6, 5, padding=2, stride=3),
-])
-def test_mean_window_gives_the_mean_output(conv: nn.modules.conv._ConvNd) -> None:
+    nn.Conv1d(4, 6, 4, padding=3, padding_mode="circular"),
+    nn.Conv3d(4, 2, (1, 3, 2), stride=(1, 2, 1), padding=(0, 1, 1), padding_mode="replicate"),
+], ids=["strided", "dilated-reflect", "same-even", "1x1", "conv1d-strided", "conv1d-circular", "conv3d-replicate"])
+def test_mean_window_gives_the_mean_output(conv: nn.modules.conv._ConvNd, layout: str) -> None:
     dims = (9,) * (conv.weight.dim() - 2)
     batches = [torch.randn(3, 4, *dims) + 0.5 for _ in range(2)]
+    if layout == "channels_last" and conv.weight.dim() > 3:
+        memory = torch.channels_last if conv.weight.dim() == 4 else torch.channels_last_3d
+        batches = [x.contiguous(memory_format=memory) for x in batches]
     observer = InputMeanObserver(conv)
     for x in batches:
-        observer(x)
+        observer(x.double() if layout == "float64" else x)  # its sums are float64 whatever it reads
     weight = torch.randn_like(conv.weight)
     reference = copy.deepcopy(conv)
     reference.weight.data, reference.bias = weight, None
@@ -111,3 +118,30 @@ def test_statistics_merge_like_one_run() -> None:
     b(batches[2])
     a.merge(b)
     torch.testing.assert_close(a.mean(), one.mean())
+
+
+def _is_prime(n: int) -> bool:
+    return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))
+
+
+@pytest.mark.parametrize("layer", [nn.Conv2d(4, 4, 1), nn.Linear(64, 3)], ids=["conv", "linear"])
+def test_a_large_batch_is_sampled_every_kth_row_across_the_batch(layer: nn.Module) -> None:
+    """Rows (samples, or tokens of a Linear) whose value is their index: the mean of the rows read and their
+    number give the stride, which must be prime, spread the sample over the whole batch, and keep it in budget."""
+    if isinstance(layer, nn.Conv2d):
+        rows, per_row = 300, 4 * 32 * 32
+        x = torch.arange(rows, dtype=torch.float32)[:, None, None, None].expand(rows, 4, 32, 32).contiguous()
+        positions = 32 * 32
+    else:
+        rows, per_row = 6000, 64
+        x = torch.arange(rows, dtype=torch.float32)[:, None].expand(rows, 64).reshape(2, rows // 2, 64)
+        positions = 1
+    assert x.numel() > SAMPLE_VALUES
+    observer = InputMeanObserver(layer)
+    observer(x)
+    used = int(observer.count) // positions
+    stride = round(2 * float(observer.mean().flatten()[0]) / (used - 1))  # the mean of 0, k, 2k, ...
+    assert _is_prime(stride)
+    assert stride * (used - 1) < rows <= stride * used  # every k-th row from the first to the end of the batch
+    assert used * per_row <= SAMPLE_VALUES + per_row
+    assert int(observer.num_elements) == x.numel()  # the whole batch counts as seen

@@ -89,7 +89,8 @@ def test_digits_outlier_heavy_layer_is_found() -> None:
         model.conv2.weight[:, 0] *= 100
     test = digits_loader("test")
     qmodel = fxquant.quantize(model, (torch.rand(1, 1, 8, 8),), digits_loader("calib"),
-                              QuantConfig(weight="per_tensor"), eval_fn=lambda m: accuracy(m, test),
+                              QuantConfig(weight="per_tensor", bias_correction=False),  # on, it halves the drop
+                              eval_fn=lambda m: accuracy(m, test),
                               max_accuracy_drop=0.005, max_trials=4, progress=False)
     result = qmodel.meta[FALLBACK_KEY]
     table = result.to_markdown()
