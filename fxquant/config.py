@@ -117,7 +117,9 @@ class QuantConfig:
     partial_tracing: bool = True
     smoothquant_alpha: float | str | None = None  # None (off), one alpha in [0, 1], or "auto" (one per layer)
     equalize: bool = False
-    bias_correction: bool = True  # measured more accurate on most models, at little calibration cost (docs/accuracy.md)
+    # "linear": every static Linear (the default: measured more accurate, at little calibration cost; docs/accuracy.md),
+    # True: every static Linear and convolution, False: none
+    bias_correction: bool | str = "linear"
     unobserved: str = "float"  # layers that never ran during calibration: "float" (warned) or "error"
 
     def __post_init__(self) -> None:
@@ -131,6 +133,9 @@ class QuantConfig:
         _check_choice("weight", self.weight, WEIGHT_SCHEMES, "QuantConfig")
         _check_choice("scheme", self.scheme, CONFIG_SCHEMES, "QuantConfig")
         _check_choice("unobserved", self.unobserved, UNOBSERVED, "QuantConfig")
+        if not isinstance(self.bias_correction, bool) and self.bias_correction != "linear":
+            raise ConfigError(f"QuantConfig: bias_correction={self.bias_correction!r} is not valid; use 'linear' "
+                              "(Linear layers, the default), True (Linear layers and convolutions) or False (none)")
         _check_activation(self.activation, "QuantConfig")
         alpha = self.smoothquant_alpha
         is_number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)

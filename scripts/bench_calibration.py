@@ -11,7 +11,10 @@ cycling batches (warmed up on each batch first, so the rounds are steady-state c
 longer grows); the ratio of a round is paired (both forwards of the same round), and the table gives the median
 ratio over the rounds with its min-max.
 
-Also timed, for reference: the eager float model (``float``), the user's float model with channels-last weights
+Every ``fxquant[observer]`` runs the default config (bias correction's statistics of the Linears included);
+``fxquant[histogram-no-bc]`` is the default observer without them and ``fxquant[histogram-all-bc]`` with them on the
+convolutions too (``bias_correction=True``), so their costs are printed too. Also timed, for
+reference: the eager float model (``float``), the user's float model with channels-last weights
 (``float[channels_last]``, conv models: what the layout alone is worth), and torch.ao's MinMaxObserver and
 HistogramObserver (``prepare_fx`` with those activation observers and per-channel weight observers;
 ``torch.ao[off]`` is its graph with observers replaced by identities). ``--skip-peers`` leaves torch.ao out; it
@@ -50,30 +53,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from _bench_common import _quiet_torch_deprecations, environment_lines, sqnr_db
-from eval_observers import planted_outliers
+from _bench_common import _quiet_torch_deprecations, environment_lines
+from _calibration_accuracy import BACKEND, OBSERVERS, PEERS, accuracy_section, torch_ao_prepared
 from torch import nn
 
 import fxquant
 from fxquant.calibration import observers_of
-from fxquant.kernels.torch_engines.engine import quantized_engine
 from fxquant.models import create_model, example_inputs
-from fxquant.models.digits import accuracy, digits_loader, train_digits_cnn
 from fxquant.report.latency import interleaved_samples, num_threads
 
-OBSERVERS = ("minmax", "moving_average", "histogram", "percentile", "entropy", "mse")
 HISTOGRAM_FAMILY = ("histogram", "percentile", "entropy", "mse")
-PEERS = ("minmax", "histogram")
 SPEED_TARGET, PEER_TARGET = 1.3, 1.5
 WORKLOADS = {"resnet18": 32, "mobilenetv2": 16, "efficientnet": 16, "bert_style": 8, "minilm": 16}
 QUICK_WORKLOADS = {"resnet18": 4, "mobilenetv2": 4, "efficientnet": 4, "bert_style": 2, "minilm": 4}
 UNTRACEABLE_BY_PEERS = frozenset({"minilm"})  # torch.ao's prepare_fx cannot trace transformers' BertModel
-BACKEND = "onednn"  # the default backend; prepare() builds the same calibration graph for the others
+# fxquant[histogram-no-bc] / fxquant[histogram-all-bc]: the default observer without bias correction's statistics /
+# with them on convolutions too (bias_correction=True; the default observes Linears only)
+NO_BIAS, ALL_BIAS = "-no-bc", "-all-bc"
 Batch = tuple[Any, ...]
 
 
 def labels(peers: bool) -> list[str]:
-    ours = ["float", "fxquant[off]", *(f"fxquant[{n}]" for n in OBSERVERS)]
+    ours = ["float", "fxquant[off]", *(f"fxquant[{n}]" for n in OBSERVERS), *(f"fxquant[histogram{b}]"
+                                                                             for b in (NO_BIAS, ALL_BIAS))]
     return [*ours, "torch.ao[off]", *(f"torch.ao[{n}]" for n in PEERS)] if peers else ours
 
 
@@ -93,29 +95,6 @@ def workload(name: str, batch_size: int, count: int = 4) -> tuple[nn.Module, lis
     return model, batches
 
 
-def _torch_ao_observer(name: str) -> Any:
-    """torch.ao's observer class, skipping integer tensors (token ids), which its HistogramObserver cannot bin."""
-    from torch.ao.quantization import HistogramObserver, MinMaxObserver
-
-    base = {"minmax": MinMaxObserver, "histogram": HistogramObserver}[name]
-
-    class FloatOnly(base):  # type: ignore[misc, valid-type]
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return super().forward(x) if x.is_floating_point() else x
-
-    return FloatOnly.with_args(reduce_range=False)
-
-
-def torch_ao_prepared(model: nn.Module, example: tuple[Any, ...], name: str) -> torch.fx.GraphModule:
-    from torch.ao.quantization import QConfig, QConfigMapping, default_per_channel_weight_observer
-    from torch.ao.quantization.quantize_fx import prepare_fx
-
-    qconfig = QConfig(activation=_torch_ao_observer(name), weight=default_per_channel_weight_observer)
-    mapping = QConfigMapping().set_global(qconfig).set_object_type(nn.Embedding, None)
-    with _quiet_torch_deprecations():
-        return prepare_fx(copy.deepcopy(model), mapping, example)
-
-
 def build(label: str, model: nn.Module, example: Batch) -> nn.Module:
     """The module a configuration runs: the float model, an fxquant prepared model, or a torch.ao one."""
     if label == "float":
@@ -126,8 +105,10 @@ def build(label: str, model: nn.Module, example: Batch) -> nn.Module:
     if family == "torch.ao":
         return torch_ao_prepared(model, example, name) if name != "off" else _without_observers(
             torch_ao_prepared(model, example, "minmax"))
-    activation = "minmax" if name == "off" else name
-    return fxquant.prepare(model, example, fxquant.QuantConfig(backend=BACKEND, activation=activation))
+    activation = "minmax" if name == "off" else name.removesuffix(NO_BIAS).removesuffix(ALL_BIAS)
+    bias_correction = False if name.endswith(NO_BIAS) else True if name.endswith(ALL_BIAS) else "linear"
+    config = fxquant.QuantConfig(backend=BACKEND, activation=activation, bias_correction=bias_correction)
+    return fxquant.prepare(model, example, config)
 
 
 @contextlib.contextmanager
@@ -273,6 +254,11 @@ def target_lines(name: str, samples: dict[str, list[float]]) -> list[str]:
         ratio = Ratio.paired(samples[f"fxquant[{observer}]"], off)
         lines.append(f"- {name} fxquant[{observer}]: {ratio}x fxquant[off] "
                      f"({'meets' if ratio.median <= SPEED_TARGET else 'MISSES'} <= {SPEED_TARGET}x)")
+    without = samples[f"fxquant[histogram{NO_BIAS}]"]
+    for label, what in (("fxquant[histogram]", "on Linears (the default)"),
+                        (f"fxquant[histogram{ALL_BIAS}]", "on Linears and convolutions")):
+        lines.append(f"- {name} bias correction's statistics {what}: {label} {Ratio.paired(samples[label], without)}x "
+                     f"fxquant[histogram{NO_BIAS}], without them")
     if "torch.ao[histogram]" not in samples:
         return lines
     median = {label: statistics.median(times) for label, times in samples.items()}
@@ -306,56 +292,6 @@ RATIOS = """How the torch.ao HistogramObserver comparison is computed (medians o
   eager float forward (below 1: fxquant's costs less);
 - observers alone: (torch.ao[histogram] - torch.ao[off]) / (fxquant[method] - fxquant[off]), each graph minus
   itself with observers off (fxquant's graph folds BatchNorm, so its float part is smaller than eager's)."""
-
-
-def accuracy_rows(model: nn.Module) -> list[tuple[str, float, float]]:
-    """``(configuration, INT8 top-1, logit SQNR dB)`` for every fxquant observer and the torch.ao peers."""
-    calib, test = digits_loader("calib"), digits_loader("test", batch_size=512)
-    images = next(iter(test))[0]
-    with torch.no_grad():
-        reference = model(images)
-    rows = [("float", accuracy(model, test), float("inf"))]
-    for name in OBSERVERS:
-        prepared = fxquant.prepare(model, (images[:1],), fxquant.QuantConfig(backend=BACKEND, activation=name))
-        fxquant.calibrate(prepared, calib, progress=False, diagnose=False)
-        qmodel = fxquant.convert(prepared)
-        with torch.no_grad():
-            rows.append((f"fxquant[{name}]", accuracy(qmodel, test), sqnr_db(reference, qmodel(images))))
-    for name in PEERS:
-        rows.append((f"torch.ao[{name}]", *_torch_ao_accuracy(model, name, calib, test, reference)))
-    return rows
-
-
-def _torch_ao_accuracy(model: nn.Module, name: str, calib: Any, test: Any, reference: torch.Tensor
-                       ) -> tuple[float, float]:
-    from torch.ao.quantization.quantize_fx import convert_fx
-
-    images = next(iter(test))[0]
-    with quantized_engine("fbgemm"), _quiet_torch_deprecations(), torch.no_grad():
-        prepared = torch_ao_prepared(model, (images[:1],), name)
-        for batch, _ in calib:
-            prepared(batch)
-        qmodel = convert_fx(prepared)
-        return accuracy(qmodel, test), sqnr_db(reference, qmodel(images))
-
-
-CLIPPING = ("percentile", "entropy", "mse")  # the clipping target: each beats minmax on the outlier model
-
-
-def accuracy_section() -> list[str]:
-    model = train_digits_cnn()
-    lines = []
-    for title, candidate in (("digits CNN", model), ("digits CNN with planted outliers", planted_outliers(model))):
-        rows = accuracy_rows(candidate)
-        lines += [f"\n## INT8 accuracy: {title} (test split; calibration on the calib split)",
-                  "| configuration | top-1 | logit SQNR dB |", "|---|---:|---:|"]
-        lines += [f"| {label} | {top1:.2%} | {sqnr:.1f} |" for label, top1, sqnr in rows]
-    sqnr = {label: value for label, _, value in rows}
-    baseline = sqnr["fxquant[minmax]"]
-    lines.append("\nTarget (outlier model): " + "; ".join(
-        f"{name} {sqnr[f'fxquant[{name}]']:.1f} dB {'beats' if sqnr[f'fxquant[{name}]'] > baseline else 'MISSES'} "
-        f"minmax {baseline:.1f} dB" for name in CLIPPING if f"fxquant[{name}]" in sqnr))
-    return lines
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Every registered activation observer calibrates every model on one split and is scored on another, held-out split,
 with ``QuantConfig(backend="onednn", activation=name)`` and every other option at its default (``--bias-correction
-off on`` makes a column per observer and ``bias_correction`` setting: the measurement behind that default):
+off linear all`` makes a column per observer and ``bias_correction`` setting: the measurement behind that default):
 
 * zoo models with random weights on seeded random inputs (shallow variants where a deep random net is chaotic, as in
   ``tests/test_zoo_quantization.py``): output SQNR, and top-1 agreement with FP32 for the classifiers;
@@ -57,7 +57,7 @@ ZOO: dict[str, tuple[dict[str, Any], tuple[int, ...] | None, int]] = {
     "unet": ({}, None, 8),
 }
 CALIBRATION_BATCHES, TEST_BATCHES = 8, 4
-BIAS_CORRECTION = {"off": False, "on": True}
+BIAS_CORRECTION: dict[str, bool | str] = {"off": False, "linear": "linear", "all": True}
 HF_ROWS = ("bert", "vit", "whisper")
 
 
@@ -280,8 +280,8 @@ def main() -> None:
                         default=["zoo", "digits", "minilm"], help="which groups of models (default: all but hf)")
     parser.add_argument("--observers", nargs="+", default=list(activation_observer_names()),
                         help="activation observers to compare (default: every registered one)")
-    parser.add_argument("--bias-correction", nargs="+", choices=list(BIAS_CORRECTION), default=["on"],
-                        help="bias_correction settings to compare (default: on, QuantConfig's default)")
+    parser.add_argument("--bias-correction", nargs="+", choices=list(BIAS_CORRECTION), default=["linear"],
+                        help="bias_correction settings to compare (default: linear, QuantConfig's default)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     torch.manual_seed(0)

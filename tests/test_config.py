@@ -23,6 +23,14 @@ def test_bad_choice_names_the_nearest(field: str, value: str, hint: str) -> None
         QuantConfig(**{field: value})
 
 
+@pytest.mark.parametrize("value", ["conv", "Linear", 1, None])
+def test_bias_correction_takes_linear_true_or_false(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"bias_correction=.*'linear' \(Linear layers, the default\), True"):
+        QuantConfig(bias_correction=value)  # type: ignore[arg-type]
+    for good in ("linear", True, False):
+        assert QuantConfig.from_dict({"bias_correction": good}).bias_correction == good
+
+
 def test_precedence_override_beats_exclude_beats_include() -> None:
     config = QuantConfig(include=["features.*", "head"], exclude=["features.1*"],
                          overrides={"features.10": {"activation": "minmax", "weight": "per_tensor"}})

@@ -8,9 +8,10 @@ to the bias removes it (Nagel et al., "Data-Free Quantization", 2019, section 4.
 ``E[E x]`` needs, per layer, the mean of every input window the layer reads: for a Linear the mean of each input
 feature, for a convolution the mean over samples and output positions of each (input channel, kernel offset) value
 of the padded input (so padding zeros count where the convolution sees them). ``prepare`` inserts one
-:class:`InputMeanObserver` per quantized layer unless ``QuantConfig(bias_correction=False)`` (on by default: the
-accuracy it measured across the zoo, real data and transformers, and its calibration cost, are in
-docs/accuracy.md); calibration fills it;
+:class:`InputMeanObserver` per quantized Linear (``QuantConfig(bias_correction="linear")``, the default) or per
+quantized Linear and convolution (``bias_correction=True``; the accuracy each measured and the calibration cost of
+each are in docs/accuracy.md: convolutions' statistics cost up to 14% of a depthwise net's forward); calibration
+fills it;
 ``convert`` computes ``E[E x] = conv(mean_window, E)`` (``E @ mean`` for a Linear) and adds it to the float bias
 before lowering, so the INT8 module is packed once with the corrected bias. Keeping statistics rather than batches
 means the correction needs no extra data at convert time, merges across shards, and is rebuilt exactly when an
@@ -19,6 +20,7 @@ artifact is loaded. The shift of upstream layers' errors and of activation clipp
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,7 @@ from torch import fx, nn
 from fxquant.config import QuantConfig
 from fxquant.nn.fused import compute_module
 from fxquant.observers import Observer
+from fxquant.observers.counting import dense_flat
 from fxquant.observers.histogram import sample_stride
 from fxquant.passes._graph import finish, nodes_of, only_user
 from fxquant.passes._stats import (
@@ -66,6 +69,11 @@ class Window:
                    tuple(conv._reversed_padding_repeated_twice), mode)
 
 
+def _memory_order(x: torch.Tensor) -> list[int]:
+    """Dim 0 first, then x's other dims from the largest stride to the smallest (its layout: NCHW, NHWC, ...)."""
+    return [0, *sorted(range(1, x.dim()), key=lambda d: -x.stride()[d])]
+
+
 def batch_sum(x: torch.Tensor) -> torch.Tensor:
     """The sum over dim 0 of ``x`` (dim 0 kept, float32 or float64 as ``x``; other dtypes in float32), as one product
     with a row of ones over ``x``'s memory order; the result keeps that order (its strides).
@@ -75,21 +83,23 @@ def batch_sum(x: torch.Tensor) -> torch.Tensor:
     """
     if x.shape[0] == 1:
         return x if x.dtype in (torch.float32, torch.float64) else x.float()
-    order = [0, *sorted(range(1, x.dim()), key=lambda d: -x.stride()[d])]
+    order = _memory_order(x)
     view = x.permute(order)
     view = view if view.dtype in (torch.float32, torch.float64) else view.float()
     total = view.new_ones(1, x.shape[0]) @ view.contiguous().reshape(x.shape[0], -1)
     return total.reshape(1, *view.shape[1:]).permute([order.index(d) for d in range(x.dim())])
 
 
-def _offsets(kernel: int, stride: int, dilation: int, before: int, length: int) -> tuple[torch.Tensor, int]:
+@functools.lru_cache(maxsize=256)  # one per conv geometry and input size: built once, read by every batch
+def _offsets(kernel: int, stride: int, dilation: int, before: int, length: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, int]:
     """(kernel, length): row ``o`` counts how often each input position is kernel offset ``o`` of an output position
     (positions in the zero padding, ``before`` on each side, are left out), and the number of output positions."""
     outputs = (length + 2 * before - dilation * (kernel - 1) - 1) // stride + 1
     index = torch.arange(kernel)[:, None] * dilation + torch.arange(max(outputs, 0))[None, :] * stride - before
     inside = (index >= 0) & (index < length)
-    counts = torch.zeros(kernel, length, dtype=torch.float64)
-    return counts.scatter_add_(1, index.clamp(0, length - 1), inside.double()), outputs
+    counts = torch.zeros(kernel, length, dtype=dtype)
+    return counts.scatter_add_(1, index.clamp(0, length - 1), inside.to(dtype)), outputs
 
 
 def window_sums(x: torch.Tensor, window: Window) -> tuple[torch.Tensor, int]:
@@ -99,9 +109,9 @@ def window_sums(x: torch.Tensor, window: Window) -> tuple[torch.Tensor, int]:
     ``sums / count`` is the mean input window: ``conv(mean_window, W)`` is then the mean of ``conv(x, W)`` minus
     its bias, for any weight ``W`` with this geometry. Padding and the sums are linear in the input, so the samples
     are summed first (:func:`batch_sum`), then each spatial dim is contracted with its (kernel, length) matrix of
-    :func:`_offsets`, first the one at an end of the memory order (a product over the summed map in place, no copy),
-    then the rest of a map that is smaller by that dim's length: where a pass per kernel offset over the batch cost
-    7x the convolution, this costs one read of the batch. Symmetric zero padding is in the matrices; other padding
+    :func:`_offsets`, first one at an end of the memory order (a product over the summed map in place, no copy), then
+    the rest of a map smaller by that dim's length: where a pass per kernel offset over the batch cost 7x the
+    convolution, this costs one read of the batch. Symmetric zero padding is in the matrices; other padding
     is applied to the summed map first.
     """
     sums = batch_sum(x)[0]  # (channels, *spatial), x's memory order
@@ -111,19 +121,22 @@ def window_sums(x: torch.Tensor, window: Window) -> tuple[torch.Tensor, int]:
         sums = F.pad(sums[None], list(window.padding), mode=window.mode)[0]
         before = [0] * spatial
     memory = sorted(range(sums.dim()), key=lambda d: -sums.stride()[d])
-    first = memory[0] if memory[0] != 0 else memory[-1]  # the spatial dim whose product reads `sums` in place
-    labels = list(range(sums.dim()))  # the logical dim of each dim of `sums`: 0 channels, i spatial, -i its offsets
+    sums, labels = sums.permute(memory), memory  # dense in memory order; labels: 0 channels, i spatial, -i offsets
     positions = 1
-    for dim in [first, *(d for d in range(1, sums.dim()) if d != first)]:
-        k, s, d = window.kernel[dim - 1], window.stride[dim - 1], window.dilation[dim - 1]
-        where = labels.index(dim)
-        counts, outputs = _offsets(k, s, d, before[dim - 1], sums.shape[where])
-        counts = counts.to(sums.dtype)
-        rest = [*labels[:where], *labels[where + 1:]]
-        if sums.stride(where) == max(sums.stride()):  # outermost in memory: (k, L) @ (L, rest) reads it in place
-            sums, labels = torch.tensordot(counts, sums, dims=([1], [where])), [-dim, *rest]
-        else:  # (rest, L) @ (L, k); in place where innermost
-            sums, labels = torch.tensordot(sums, counts, dims=([where], [1])), [*rest, -dim]
+    for _ in range(spatial):
+        # the first product reads the summed map in place: over its outermost dim where that is spatial (k, L) @
+        # (L, rest), else over its innermost (rest, L) @ (L, k); later ones read maps smaller by those lengths
+        where = 0 if labels[0] > 0 else max(i for i, label in enumerate(labels) if label > 0)
+        dim = labels[where]
+        counts, outputs = _offsets(window.kernel[dim - 1], window.stride[dim - 1], window.dilation[dim - 1],
+                                   before[dim - 1], sums.shape[where], sums.dtype)  # cached: never written
+        if where == 0:
+            sums = (counts @ sums.reshape(sums.shape[0], -1)).reshape(-1, *sums.shape[1:])
+            labels = [-dim, *labels[1:]]
+        else:
+            moved = sums.movedim(where, -1)
+            sums = (moved.reshape(-1, moved.shape[-1]) @ counts.T).reshape(*moved.shape[:-1], -1)
+            labels = [*labels[:where], *labels[where + 1:], -dim]
         positions *= outputs
     order = [labels.index(0), *(labels.index(-dim) for dim in range(1, spatial + 1))]
     return sums.permute(order).double(), x.shape[0] * positions
@@ -137,7 +150,11 @@ def sampled(x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[0]
     if x.numel() <= SAMPLE_VALUES or rows < 2:
         return x
-    return x[::sample_stride(rows, SAMPLE_VALUES, run_values=x.numel() // rows)]
+    stride = sample_stride(rows, SAMPLE_VALUES, run_values=x.numel() // rows)
+    if stride >= rows:
+        return x[:1]  # one row: a view, dense where x is
+    order = _memory_order(x)  # copied dense in x's own layout: the range and the sums then read it without copies
+    return x[::stride].permute(order).contiguous().permute([order.index(d) for d in range(x.dim())])
 
 
 class InputMeanObserver(StatisticsObserver):
@@ -171,7 +188,7 @@ class InputMeanObserver(StatisticsObserver):
             if x.dim() != len(self.window.kernel) + 2 or x.shape[1] != channels:
                 return
             sample = sampled(x)
-        lo, hi = torch.aminmax(sample)
+        lo, hi = torch.aminmax(dense_flat(sample))
         self._check_finite(lo.item(), hi.item())
         if self.window is None:
             sums, count = batch_sum(sample)[0], sample.shape[0]
@@ -209,7 +226,7 @@ def insert_bias_observers(gm: fx.GraphModule, config: QuantConfig, prefix: str =
     for node in nodes_of(gm):
         layer = _correctable(gm, node)
         value = tensor_input(node)
-        if layer is None or value is None:
+        if layer is None or value is None or (config.bias_correction == "linear" and not isinstance(layer, nn.Linear)):
             continue
         observer = InputMeanObserver(layer)
         observer.label = f"bias-correction statistics of the input of {prefix}{node.target}"

@@ -68,4 +68,4 @@ def test_convert_does_not_change_the_prepared_model() -> None:
     before, observers = str(prepared.graph), _count(prepared, Observer)
     fxquant.convert(prepared)
     assert str(prepared.graph) == before
-    assert observers == 5 and _count(prepared, Observer) == observers  # 3 ranges, 2 bias-correction statistics
+    assert observers == 4 and _count(prepared, Observer) == observers  # 3 ranges, the Linear's bias statistics
