@@ -144,9 +144,9 @@ def window_sums(x: torch.Tensor, window: Window) -> tuple[torch.Tensor, int]:
 
 def sampled(x: torch.Tensor) -> torch.Tensor:
     """Every ``k``-th sample (row) of ``x`` along dim 0, ``k`` the smallest prime leaving at most SAMPLE_VALUES values
-    plus one sample; all of ``x`` where it is that small. A mean needs far fewer values than a range: reading every
-    value of every conv input cost 10-50% of a depthwise net's float forward; prime so that a token batch's rows do
-    not keep the same positions of every sequence."""
+    plus one sample; all of ``x`` where it is that small. A mean needs far fewer values than a range (the accuracy in
+    docs/accuracy.md is measured with this sample), and reading them costs a copy of the sample at most; prime so
+    that a token batch's rows do not keep the same positions of every sequence."""
     rows = x.shape[0]
     if x.numel() <= SAMPLE_VALUES or rows < 2:
         return x
