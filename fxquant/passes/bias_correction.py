@@ -10,8 +10,8 @@ feature, for a convolution the mean over samples and output positions of each (i
 of the padded input (so padding zeros count where the convolution sees them). ``prepare`` inserts one
 :class:`InputMeanObserver` per quantized Linear (``QuantConfig(bias_correction="linear")``, the default) or per
 quantized Linear and convolution (``bias_correction=True``; the accuracy each measured and the calibration cost of
-each are in docs/accuracy.md: convolutions' statistics cost up to 14% of a depthwise net's forward); calibration
-fills it;
+each are in docs/accuracy.md: convolutions' statistics made a depthwise net's calibration forward up to 14%
+slower); calibration fills it;
 ``convert`` computes ``E[E x] = conv(mean_window, E)`` (``E @ mean`` for a Linear) and adds it to the float bias
 before lowering, so the INT8 module is packed once with the corrected bias. Keeping statistics rather than batches
 means the correction needs no extra data at convert time, merges across shards, and is rebuilt exactly when an

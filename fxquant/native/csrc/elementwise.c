@@ -325,26 +325,16 @@ __attribute__((target("avx512f,avx512bw"))) static void quantize_row_avx512(cons
 void fxq_quantize_groups(const float *x, int64_t rows, int64_t width, int64_t x_stride, const float *input_scale,
                          int64_t group, int offset, uint8_t *q, float *scale) {
     const int64_t groups = width / group;
+    void (*quantize_row)(const float *, int64_t, const float *, int, uint8_t *, float *) = quantize_row_scalar;
 #ifdef HAVE_AVX512_QUANTIZE_ROWS
-    const int avx512 = fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw");
-#else
-    const int avx512 = 0;
+    if (fxq_isa_cap >= ISA_AVX512 && __builtin_cpu_supports("avx512bw"))
+        quantize_row = quantize_row_avx512;
 #endif
     FXQ_PARALLEL_FOR(rows * width >= FXQ_PARALLEL_WORK)
     for (int64_t m = 0; m < rows; m++)
-        for (int64_t g = 0; g < groups; g++) {
-            const float *row = x + m * x_stride + g * group, *factors = input_scale ? input_scale + g * group : NULL;
-            uint8_t *out = q + (g * rows + m) * group;
-            float *s = scale + g * rows + m;
-#ifdef HAVE_AVX512_QUANTIZE_ROWS
-            if (avx512) {
-                quantize_row_avx512(row, group, factors, offset, out, s);
-                continue;
-            }
-#endif
-            quantize_row_scalar(row, group, factors, offset, out, s);
-        }
-    (void)avx512;
+        for (int64_t g = 0; g < groups; g++)
+            quantize_row(x + m * x_stride + g * group, group, input_scale ? input_scale + g * group : NULL, offset,
+                         q + (g * rows + m) * group, scale + g * rows + m);
 }
 
 void fxq_quantize_rows_s8(const float *x, int64_t rows, int64_t width, int64_t x_stride, const float *input_scale,
