@@ -41,6 +41,7 @@ from fxquant.passes.islands import (
 from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.passes.pipeline import prepare_graph
 from fxquant.passes.schemes import lower_schemes, scheme_layers, unwrap_layer_islands
+from fxquant.passes.token_ranges import attach_token_ranges
 from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
 from fxquant.runtime import runner
 from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
@@ -48,7 +49,7 @@ from fxquant.state import NONE, STATE_KEY, InputSpec, QuantState, drop_in, quant
 from fxquant.tracing import GraphBreak, trace, trace_partially, user_location
 
 log = logging.getLogger(__name__)
-FLOAT_IO_SCHEMES = tuple(s for s in SCHEMES if s != "static")
+FLOAT_IO_SCHEMES = tuple(s for s in SCHEMES if s not in ("static", "static_outliers"))  # convert can switch to
 
 
 def _check_model(model: nn.Module) -> None:
@@ -173,7 +174,7 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
         log.warning("fxquant: %s has no Linear/Conv layer to quantize (all excluded or untraceable); "
                     "convert() will return it unchanged, in float", type(model).__name__)
     if config.smoothquant_alpha is not None and unsmoothed:
-        scheme = unsmoothed[0]  # the config's, or an override's
+        scheme = next((s for s in unsmoothed if s in FLOAT_IO_SCHEMES), "dynamic_group")  # one convert switches to
         log.warning("fxquant: smoothquant_alpha=%s does not reach the %d Linear(s) on a float-in, float-out scheme "
                     "(%s): they observe nothing at prepare, so they run unsmoothed. For SmoothQuant with such a "
                     "scheme, prepare them static (QuantConfig(scheme='static', smoothquant_alpha=...)), calibrate, "
@@ -221,6 +222,7 @@ def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = 
     for graph in (gm, *prepared_islands(gm).values()):
         state = quant_state(graph)
         keep_unobserved_float(graph, state.prefix)
+        attach_token_ranges(graph, state.prefix)
         smooth_activations(graph, state.config)
         keep_layers_float(graph, tuple(keep_float), prefix=state.prefix)
         for pattern, scheme in reversed(chosen.items()):  # applied last to first: the first matching one stays

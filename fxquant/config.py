@@ -30,9 +30,11 @@ BACKENDS = ("fbgemm", "qnnpack", "onednn", "reference", "auto")
 WEIGHT_SCHEMES = ("per_channel", "per_tensor")
 # how a layer runs INT8 (docs/quantization.md "Schemes"): "static" W8A8 with calibrated activation ranges (int8 in
 # and out); "dynamic" W8A8 with each row (token) of the input quantized at run time; "dynamic_group" likewise with
-# one scale per 128 inputs of each row; "weight_only" INT8 weights with float activations (W8A16). All but static
-# read and return float, need no calibration, and apply to Linear layers.
-SCHEMES = ("static", "dynamic", "dynamic_group", "weight_only")
+# one scale per 128 inputs of each row; "weight_only" INT8 weights with float activations (W8A16);
+# "static_outliers" W8A8 with the input range calibrated over the ordinary tokens, a token outside it at its own
+# scale. All but static read and return float and apply to Linear layers; all but the two static ones need no
+# calibration.
+SCHEMES = ("static", "dynamic", "dynamic_group", "weight_only", "static_outliers")
 # QuantConfig.scheme may also be "auto" (the default): prepare() picks per model (QuantConfig.for_model)
 AUTO_SCHEME = "auto"
 CONFIG_SCHEMES = (AUTO_SCHEME, *SCHEMES)

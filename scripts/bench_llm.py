@@ -6,7 +6,9 @@ Rows, all from one float model (:mod:`fxquant.models.gguf_llama`): FP32, eager a
 (``scheme="auto"``: ``"dynamic_group"`` for a decoder), ``QuantConfig(scheme="dynamic")`` and
 ``scheme="weight_only"`` (uncalibrated: they observe no activation ranges),
 the static W8A8 config (``scheme="static"``, otherwise the defaults) with ``--smoothquant-alpha`` calibrated at one
-thread (timed), and that calibration converted with ``convert(schemes=--recipe)``. Per row: perplexity on the
+thread (timed), that calibration converted with ``convert(schemes=--recipe)``, and
+``scheme="static_outliers"`` (static ranges over the ordinary tokens, outlier tokens at their own scale) calibrated
+on the same windows. Per row: perplexity on the
 evaluation windows (the same for every row, as ``eval_llm_perplexity.py``); at each ``--threads`` count, the median
 [fastest-slowest] of ``--rounds`` rounds that run every row once in a new seeded order (so ratios to FP32 eager are
 paired) of
@@ -129,6 +131,16 @@ def build_fxq_static(b: Bench, row: Row, *, mixed: bool = False) -> nn.Module:
     return fxquant.convert(b.prepared, schemes=b.args.recipe) if mixed else fxquant.convert(b.prepared)
 
 
+def build_fxq_outliers(b: Bench, row: Row) -> nn.Module:
+    """``scheme="static_outliers"``: its own calibration on the same windows (timed at one thread)."""
+    prepared = fxquant.prepare(b.fp32, (b.calibration[0],), fxquant.QuantConfig(scheme="static_outliers"))
+    start = time.perf_counter()
+    with num_threads(1):
+        fxquant.calibrate(prepared, b.calibration, progress=False)
+    row.note = f"calibrate {time.perf_counter() - start:.1f} s at 1 thread"
+    return fxquant.convert(prepared)
+
+
 def _expire(signum: int, frame: Any) -> None:
     raise TimeoutError("torch.compile's first calls took longer than --compile-timeout")
 
@@ -165,6 +177,7 @@ ROWS: dict[str, tuple[str, Builder]] = {  # key -> (label, builder), in the tabl
     "fxq-wo": ("fxquant weight-only", partial(build_fxq_scheme, scheme="weight_only")),
     "fxq-static": ("fxquant static W8A8", build_fxq_static),
     "fxq-mixed": ("fxquant mixed", partial(build_fxq_static, mixed=True)),
+    "fxq-outliers": ("fxquant static W8A8, outlier tokens at their own scale", build_fxq_outliers),
 }
 FXQUANT = tuple(key for key in ROWS if key.startswith("fxq-"))
 

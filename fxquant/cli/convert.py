@@ -112,10 +112,10 @@ def _fallback(text: str) -> str:
 
 
 def _scheme(text: str) -> tuple[str, str]:
-    from fxquant.config import SCHEMES
+    from fxquant.api import FLOAT_IO_SCHEMES
 
     pattern, _, scheme = text.rpartition("=")
-    if not pattern or scheme not in SCHEMES or scheme == "static":
+    if not pattern or scheme not in FLOAT_IO_SCHEMES:
         raise argparse.ArgumentTypeError("expected PATTERN=SCHEME with SCHEME dynamic, dynamic_group or weight_only, "
                                          f"got {text!r}")
     return pattern, scheme

@@ -18,7 +18,7 @@ import torch
 from fxquant.kernels.reference import int_mm_is_exact
 from fxquant.native.per_token import int8_rows_into, quantize_rows_into, rescale_rows_into
 
-EXACT_RUN = 1024  # inputs per float32 GEMM where torch._int_mm is not exact (see _exact_sums)
+EXACT_RUN = 1024  # inputs per float32 GEMM where torch._int_mm is not exact (see int8_sums)
 LOOP_ROWS = 8  # the VNNI loop up to this many rows, torch._int_mm beyond (docs/quantization.md "Schemes")
 _TINY = torch.finfo(torch.float32).tiny  # the scale of an all-zero row: every value quantizes to 0
 
@@ -38,6 +38,15 @@ def quantize_rows(rows: torch.Tensor, input_scale: torch.Tensor | None = None) -
     return torch.div(rows, scale).round_().clamp_(-127, 127).to(torch.int8), scale
 
 
+def int8_sums(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The exact int32 ``q @ weight.T`` of int8 ``q`` (rows, in_features) and ``weight`` (out_features,
+    in_features)."""
+    weight_t = weight.t()  # the layout torch._int_mm reads fastest
+    # torch 2.13's CPU _int_mm returns wrong sums for a single input feature, and, where oneDNN has no VNNI, sums
+    # pairs of products in int16 (saturating): float32 GEMMs over short runs of inputs are exact there
+    return torch._int_mm(q, weight_t) if q.shape[1] > 1 and int_mm_is_exact() else _exact_sums(q, weight_t)
+
+
 def _exact_sums(q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """``q @ weight_t`` in int32 by float32 GEMMs over runs of :data:`EXACT_RUN` inputs: every partial sum is an
     integer below ``127 * 128 * EXACT_RUN < 2**24``, so float32 holds it exactly in any order of summation."""
@@ -48,7 +57,7 @@ def _exact_sums(q: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def _rescaled(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor,
+def rescaled(acc: torch.Tensor, scale: torch.Tensor, weight_scale: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
     out = torch.empty(acc.shape, dtype=torch.float32)
     if acc.is_contiguous() and rescale_rows_into(out, acc, scale, weight_scale, bias):
@@ -75,8 +84,4 @@ def per_token_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
         if int8_rows_into(out, rows, weight, weight_sums, weight_scale, bias, input_scale):
             return out if rows is x else out.to(x.dtype)
     q, scale = quantize_rows(rows.reshape(-1, in_features), input_scale)
-    weight_t = weight.t()  # the layout torch._int_mm reads fastest
-    # torch 2.13's CPU _int_mm returns wrong sums for a single input feature, and, where oneDNN has no VNNI, sums
-    # pairs of products in int16 (saturating): float32 GEMMs over short runs of inputs are exact there
-    acc = torch._int_mm(q, weight_t) if in_features > 1 and int_mm_is_exact() else _exact_sums(q, weight_t)
-    return _rescaled(acc, scale, weight_scale, bias).reshape(*x.shape[:-1], out_features).to(x.dtype)
+    return rescaled(int8_sums(q, weight), scale, weight_scale, bias).reshape(*x.shape[:-1], out_features).to(x.dtype)

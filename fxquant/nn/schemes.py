@@ -4,15 +4,17 @@
   weights, exact int32 sums (:mod:`fxquant.kernels.per_token`);
 - :class:`DynamicGroupInt8Linear` (``"dynamic_group"``, W8A8-dynamic with one activation scale per 128 inputs
   of each row, :mod:`fxquant.kernels.per_group`): a row's outlier channels cost only their group;
+- :class:`StaticOutliersInt8Linear` (``"static_outliers"``, W8A8 static): the input range calibrated over the
+  ordinary tokens, a token outside it quantized with its own scale (:mod:`fxquant.kernels.static_outliers`);
 - :class:`WeightOnlyInt8Linear` (``"weight_only"``, W8A16): int8 weights, float activations
   (:mod:`fxquant.kernels.weight_only`).
 
 Each keeps only the int8 weight (``qweight``), its float32 scales (per output channel; weight-only: per 64 inputs of
-each output) and the float32 bias (no float copy of the weight), read and return float, and need no calibration:
-they stand where a float ``nn.Linear`` stood, anywhere in a graph, and in code torch.fx cannot trace in place of the
-Linear itself (no island around them: a decode step calls a few hundred of them). What user code reads from a
-Linear reads the same here: ``in_features``/``out_features``, ``bias``, and ``weight``, the float weight they compute
-with, made on access.
+each output) and the float32 bias (no float copy of the weight), and reads and returns float; all but
+``static_outliers`` need no calibration. They stand where a float ``nn.Linear`` stood, anywhere in a graph, and
+in code torch.fx cannot trace in place of the Linear itself (no island around them: a decode step calls a few
+hundred of them). What user code reads from a Linear reads the same here: ``in_features``/``out_features``,
+``bias``, and ``weight``, the float weight they compute with, made on access.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from torch import nn
 
 from fxquant.kernels.per_group import group_size, pack_weights, per_group_linear, unpack_weights
 from fxquant.kernels.per_token import per_token_linear
+from fxquant.kernels.static_outliers import static_outliers_linear
 from fxquant.kernels.weight_only import GROUP, weight_only_linear
-from fxquant.observers import get_weight_observer
+from fxquant.observers import Observer, get_weight_observer
 from fxquant.qparams import QParams, quantize
 
 
@@ -145,6 +148,39 @@ class DynamicGroupInt8Linear(SchemeLinear):
         return f"{super().extra_repr()}, group={self.group}"
 
 
+class StaticOutliersInt8Linear(DynamicInt8Linear):
+    """W8A8 with the input range calibrated over the ordinary tokens; a token (row) outside it takes its own scale
+    (``QuantConfig(scheme="static_outliers")``, :mod:`fxquant.kernels.static_outliers`). ``input_qparams`` is
+    the calibrated uint8 ``(scale, zero_point)``; the int8 weights and their sums are the per-token layer's."""
+
+    scheme = "static_outliers"
+    kernel = "torch._int_mm, static range, own scale for outlier tokens"
+    input_qparams: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
+                 input_qp: QParams | None = None) -> None:
+        super().__init__(weight, w_qp, bias)
+        scale, zero_point = (1.0, 128) if input_qp is None else (float(input_qp.scale), int(input_qp.zero_point))
+        self.register_buffer("input_qparams", torch.tensor([scale, zero_point], dtype=torch.float64))
+
+    @classmethod
+    def from_observed(cls, linear: nn.Linear, weight: str, observer: Observer) -> StaticOutliersInt8Linear:
+        """The INT8 layer of ``linear`` with its input range from calibrated ``observer`` (uint8)."""
+        w_qp = get_weight_observer(weight)().qparams(linear.weight.detach())
+        return cls(linear.weight, w_qp, linear.bias, observer.qparams())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_scale is not None:
+            raise RuntimeError("StaticOutliersInt8Linear: SmoothQuant scales are not supported on this scheme")
+        scale, zero_point = self.input_qparams.tolist()
+        return static_outliers_linear(x, self.qweight, self.weight_scale, self.bias, self.weight_sums, scale,
+                                      int(zero_point))
+
+    def extra_repr(self) -> str:
+        scale, zero_point = self.input_qparams.tolist()
+        return f"{super().extra_repr()}, input_scale={scale:.4g}, zero_point={int(zero_point)}"
+
+
 class WeightOnlyInt8Linear(SchemeLinear):
     """INT8 weights, float activations (``QuantConfig(scheme="weight_only")``, W8A16). With ``weight="per_channel"``
     each output's weights have one scale per :data:`~fxquant.kernels.weight_only.GROUP` inputs (where that many
@@ -172,4 +208,5 @@ class WeightOnlyInt8Linear(SchemeLinear):
 
 SCHEME_MODULES: dict[str, type[SchemeLinear]] = {"dynamic": DynamicInt8Linear,
                                                       "dynamic_group": DynamicGroupInt8Linear,
+                                                      "static_outliers": StaticOutliersInt8Linear,
                                                       "weight_only": WeightOnlyInt8Linear}

@@ -21,6 +21,7 @@ from fxquant.passes.functional import functional_to_modules
 from fxquant.passes.fuse import fuse_activations
 from fxquant.passes.insert_observers import insert_observers
 from fxquant.passes.smoothquant import insert_smoothing_observers
+from fxquant.passes.token_ranges import insert_token_range_observers
 
 ConfiguredPass = Callable[[fx.GraphModule, QuantConfig, str], fx.GraphModule]
 
@@ -43,6 +44,7 @@ PREPARE: tuple[Pass, ...] = (
     Pass("insert_observers", insert_observers),
     Pass("insert_smoothing_observers", insert_smoothing_observers),  # SmoothQuant's statistics, when asked for
     Pass("insert_bias_observers", insert_bias_observers),  # bias correction's statistics, when asked for
+    Pass("insert_token_range_observers", insert_token_range_observers),  # static_outliers layers' input ranges
 )
 
 

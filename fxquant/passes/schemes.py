@@ -17,11 +17,13 @@ from dataclasses import replace
 from torch import fx, nn
 
 from fxquant.config import LayerSettings
+from fxquant.errors import CalibrationError
 from fxquant.nn.fused import Fused, compute_module
 from fxquant.nn.island import SURFACE_KEY, Island, Surface
-from fxquant.nn.schemes import SCHEME_MODULES, SchemeLinear
+from fxquant.nn.schemes import SCHEME_MODULES, SchemeLinear, StaticOutliersInt8Linear
 from fxquant.passes._graph import modules_of, nodes_of, replace_submodule
 from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.token_ranges import TOKEN_RANGE
 
 
 def takes_scheme(gm: fx.GraphModule, node: fx.Node) -> bool:
@@ -55,12 +57,22 @@ def lower_schemes(gm: fx.GraphModule) -> fx.GraphModule:
         module = modules[str(node.target)]
         linear = compute_module(module)
         assert isinstance(linear, nn.Linear)
-        int8 = SCHEME_MODULES[settings.scheme].from_float(linear, settings.weight)
+        int8 = _scheme_module(node, linear, settings)
         if isinstance(module, Fused):
             module.inner = int8
         else:
             replace_submodule(gm, str(node.target), int8)
     return gm
+
+
+def _scheme_module(node: fx.Node, linear: nn.Linear, settings: LayerSettings) -> SchemeLinear:
+    if settings.scheme != "static_outliers":
+        return SCHEME_MODULES[settings.scheme].from_float(linear, settings.weight)
+    observer = node.meta.get(TOKEN_RANGE)
+    if observer is None:
+        raise CalibrationError(f"{node.target}: a static_outliers layer without its calibrated token ranges; "
+                               "convert the prepared, calibrated model (fxquant.convert(prepared))")
+    return StaticOutliersInt8Linear.from_observed(linear, settings.weight, observer.activation)
 
 
 def unwrap_layer_islands(model: nn.Module) -> nn.Module:
