@@ -19,7 +19,13 @@ from fxquant.nn.quantized import (
     QuantizedPool,
     QuantizedReLU,
 )
-from fxquant.nn.schemes import DynamicGroupInt8Linear, DynamicInt8Linear, SchemeLinear, WeightOnlyInt8Linear
+from fxquant.nn.schemes import (
+    DynamicGroupInt8Linear,
+    DynamicInt8Linear,
+    SchemeLinear,
+    StaticOutliersInt8Linear,
+    WeightOnlyInt8Linear,
+)
 
 __all__ = [
     "DeQuantize",
@@ -42,6 +48,7 @@ __all__ = [
     "QuantizedLookup",
     "QuantizedReLU",
     "SchemeLinear",
+    "StaticOutliersInt8Linear",
     "WeightOnlyInt8Linear",
     "add_relu",
 ]

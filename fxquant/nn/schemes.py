@@ -26,7 +26,7 @@ from torch import nn
 
 from fxquant.kernels.per_group import group_size, pack_weights, per_group_linear, unpack_weights
 from fxquant.kernels.per_token import per_token_linear
-from fxquant.kernels.static_outliers import static_outliers_linear
+from fxquant.kernels.static_outliers import static_bias, static_outliers_linear
 from fxquant.kernels.weight_only import GROUP, weight_only_linear
 from fxquant.observers import Observer, get_weight_observer
 from fxquant.qparams import QParams, quantize
@@ -156,12 +156,14 @@ class StaticOutliersInt8Linear(DynamicInt8Linear):
     scheme = "static_outliers"
     kernel = "torch._int_mm, static range, own scale for outlier tokens"
     input_qparams: torch.Tensor
+    fitted_bias: torch.Tensor
 
     def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
                  input_qp: QParams | None = None) -> None:
         super().__init__(weight, w_qp, bias)
         scale, zero_point = (1.0, 128) if input_qp is None else (float(input_qp.scale), int(input_qp.zero_point))
         self.register_buffer("input_qparams", torch.tensor([scale, zero_point], dtype=torch.float64))
+        self.derive_buffers()
 
     @classmethod
     def from_observed(cls, linear: nn.Linear, weight: str, observer: Observer) -> StaticOutliersInt8Linear:
@@ -169,16 +171,26 @@ class StaticOutliersInt8Linear(DynamicInt8Linear):
         w_qp = get_weight_observer(weight)().qparams(linear.weight.detach())
         return cls(linear.weight, w_qp, linear.bias, observer.qparams())
 
+    def _range(self) -> tuple[float, int]:
+        scale, zero_point = self.input_qparams.tolist()
+        return scale, int(zero_point)
+
+    def derive_buffers(self) -> None:
+        super().derive_buffers()  # the weight sums, then (once the range is set) the bias of the rows that fit it
+        if not hasattr(self, "input_qparams"):
+            return
+        self.register_buffer("fitted_bias", static_bias(self.weight_sums, self.weight_scale, self.bias,
+                                                        *self._range()), persistent=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale is not None:
             raise RuntimeError("StaticOutliersInt8Linear: SmoothQuant scales are not supported on this scheme")
-        scale, zero_point = self.input_qparams.tolist()
-        return static_outliers_linear(x, self.qweight, self.weight_scale, self.bias, self.weight_sums, scale,
-                                      int(zero_point))
+        return static_outliers_linear(x, self.qweight, self.weight_scale, self.bias, self.fitted_bias,
+                                      *self._range())
 
     def extra_repr(self) -> str:
-        scale, zero_point = self.input_qparams.tolist()
-        return f"{super().extra_repr()}, input_scale={scale:.4g}, zero_point={int(zero_point)}"
+        scale, zero_point = self._range()
+        return f"{super().extra_repr()}, input_scale={scale:.4g}, zero_point={zero_point}"
 
 
 class WeightOnlyInt8Linear(SchemeLinear):

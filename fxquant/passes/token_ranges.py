@@ -29,7 +29,7 @@ from fxquant.passes.patterns import tensor_input
 
 log = logging.getLogger("fxquant")
 SCHEME = "static_outliers"
-OUTLIER_FACTOR = 8.0  # a row whose max |x| exceeds this many times the median row's is an outlier token
+OUTLIER_FACTOR = 4.0  # a row whose max |x| exceeds this many times the median row's is an outlier token
 STATISTICS_PREFIX = "token_range_statistics_"
 TOKEN_RANGE = "fxquant_token_range"  # node.meta key: the layer node's calibrated TokenRangeObserver, at convert
 

@@ -96,11 +96,12 @@ def test_rows_inside_the_range_use_it_and_the_others_their_own_scale() -> None:
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(3)).clamp(-2.9, 2.9)
     x[2, 5] = 50.0
     x[4, 7] = -4.0
-    q, row_scale, offset = quantize_static_rows(x, float(scale), zero_point)
-    outside = torch.tensor([False, False, True, False, True, False])
-    assert torch.equal(row_scale[~outside].flatten(), torch.full((4,), float(scale)))
-    assert torch.equal(row_scale[outside].flatten(), x[outside].abs().amax(dim=1) / 127)
-    assert torch.equal(offset.flatten(), torch.where(outside, 0, 128 - zero_point).int())
+    q, outliers, own = quantize_static_rows(x, float(scale), zero_point)
+    assert outliers.tolist() == [2, 4]
+    assert torch.equal(own.flatten(), x[[2, 4]].abs().amax(dim=1) / 127)
+    inside = x[[0, 1, 3, 5]]
+    levels = torch.div(inside, float(scale)).round().add(zero_point).clamp(0, 255) - 128
+    assert torch.equal(q[[0, 1, 3, 5]], levels.to(torch.int8))
     assert q[2, 5] == 127 and q[4, 7] == -127  # never clipped: the outlier is the top of its row's own scale
 
 
