@@ -13,10 +13,12 @@ disjoint modules (:mod:`fxquant.models.corpus`). fxquant calibrates once with st
 default ``"auto"`` gives a decoder dynamic per-group layers, which have no ranges to keep float) on consecutive
 calibration windows; every INT8 row converts that one calibration (``keep_float`` keeps the matching layers float).
 The uncalibrated scheme rows follow: ``scheme="dynamic"`` (per-token) and ``"dynamic_group"`` at each ``--groups``
-size (``fxquant.kernels.per_group.GROUP``, set for the row). Perplexity is exp of the mean next-token cross entropy
-over every position of the evaluation windows.
+size (``fxquant.kernels.per_group.GROUP``, set for the row), then ``scheme="static_outliers"`` calibrated at each
+``--outlier-factors`` value (``fxquant.passes.token_ranges.OUTLIER_FACTOR``, set for the row). Perplexity is exp of
+the mean next-token cross entropy over every position of the evaluation windows.
 
     python scripts/eval_llm_perplexity.py --evaluation-windows 6 --groups 64,128,256
+    python scripts/eval_llm_perplexity.py --calibration-windows 16 --evaluation-windows 6 --outlier-factors 2,3,4,8,16
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import fx
 import fxquant
 from fxquant.kernels import per_group
 from fxquant.models.corpus import calibration_text, evaluation_text, perplexity, token_windows
+from fxquant.passes import token_ranges
 
 INT8_FLAGS = ("amx_int8", "avx512_vnni", "avx512vbmi")
 # label -> keep_float patterns; every row converts the same calibrated model
@@ -105,13 +108,15 @@ def int8_rows(prepared: fx.GraphModule, data: Data) -> dict[str, Row]:
 
 
 @contextlib.contextmanager
-def group_size(group: int) -> Iterator[None]:
-    """``dynamic_group`` layers made inside take ``group`` inputs per activation scale."""
-    saved, per_group.GROUP = per_group.GROUP, group
+def setting(module: Any, name: str, value: Any) -> Iterator[None]:
+    """``module.name`` is ``value`` inside (``per_group.GROUP``: the inputs per scale of dynamic_group layers made
+    there; ``token_ranges.OUTLIER_FACTOR``: what calibration there calls an outlier token)."""
+    saved = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        per_group.GROUP = saved
+        setattr(module, name, saved)
 
 
 def scheme_rows(model: torch.nn.Module, data: Data, groups: Sequence[int]) -> dict[str, Row]:
@@ -120,10 +125,23 @@ def scheme_rows(model: torch.nn.Module, data: Data, groups: Sequence[int]) -> di
     cases += [(f"fxquant scheme='dynamic_group', {group} inputs per scale", "dynamic_group", group) for group in groups]
     rows = {}
     for label, scheme, group in cases:
-        with group_size(group):
+        with setting(per_group, "GROUP", group):
             qmodel = fxquant.convert(fxquant.prepare(model, (data.calibration[0],), fxquant.QuantConfig(scheme=scheme)))
         rows[label] = measure(label, qmodel, data.evaluation)
         del qmodel
+    return rows
+
+
+def outlier_rows(model: torch.nn.Module, data: Data, factors: Sequence[float]) -> dict[str, Row]:
+    """``scheme="static_outliers"`` calibrated with each outlier factor (rows above that many times the median row's
+    peak left out of the ranges)."""
+    rows = {}
+    for factor in factors:
+        label = f"fxquant scheme='static_outliers', outlier rows > {factor:g}x the median"
+        with setting(token_ranges, "OUTLIER_FACTOR", factor):
+            prepared = fxquant.prepare(model, (data.calibration[0],), fxquant.QuantConfig(scheme="static_outliers"))
+            fxquant.calibrate(prepared, data.calibration, progress=False)
+        rows[label] = measure(label, fxquant.convert(prepared), data.evaluation)
     return rows
 
 
@@ -139,6 +157,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_window_arguments(parser, evaluation_windows=3)
     parser.add_argument("--groups", type=lambda text: [int(g) for g in text.split(",")], default=[per_group.GROUP],
                         help=f"inputs per scale of the dynamic_group rows, comma-separated (default {per_group.GROUP})")
+    parser.add_argument("--outlier-factors", type=lambda text: [float(f) for f in text.split(",")],
+                        default=[token_ranges.OUTLIER_FACTOR],
+                        help="outlier factors of the static_outliers rows, comma-separated (default "
+                             f"{token_ranges.OUTLIER_FACTOR:g})")
     return finish_window_arguments(parser.parse_args(argv))
 
 
@@ -156,6 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepared, prepare_s, calibrate_s = calibrated(model, data)
     rows = int8_rows(prepared, data)
     rows |= scheme_rows(model, data, args.groups)
+    rows |= outlier_rows(model, data, args.outlier_factors)
     print(f"\nprepare {prepare_s:.1f} s; calibration {calibrate_s:.1f} s wall on {len(data.calibration)} windows "
           f"(torch {torch.get_num_threads()} threads)")
     print(*summary(fp32, rows), sep="\n")
