@@ -221,8 +221,8 @@ def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = 
     gm = copy.deepcopy(prepared)
     for graph in (gm, *prepared_islands(gm).values()):
         state = quant_state(graph)
+        attach_token_ranges(graph, state.prefix)  # first: an empty one keeps its layer float, not just itself gone
         keep_unobserved_float(graph, state.prefix)
-        attach_token_ranges(graph, state.prefix)
         smooth_activations(graph, state.config)
         keep_layers_float(graph, tuple(keep_float), prefix=state.prefix)
         for pattern, scheme in reversed(chosen.items()):  # applied last to first: the first matching one stays

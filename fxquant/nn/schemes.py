@@ -158,12 +158,16 @@ class StaticOutliersInt8Linear(DynamicInt8Linear):
     input_qparams: torch.Tensor
     fitted_bias: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
-                 input_qp: QParams | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, input_qp: QParams) -> None:
         super().__init__(weight, w_qp, bias)
-        scale, zero_point = (1.0, 128) if input_qp is None else (float(input_qp.scale), int(input_qp.zero_point))
-        self.register_buffer("input_qparams", torch.tensor([scale, zero_point], dtype=torch.float64))
+        self.register_buffer("input_qparams", torch.tensor([float(input_qp.scale), int(input_qp.zero_point)],
+                                                           dtype=torch.float64))
         self.derive_buffers()
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, weight: str) -> SchemeLinear:
+        raise TypeError("StaticOutliersInt8Linear needs a calibrated input range: use from_observed(linear, weight, "
+                        "observer), as convert does")
 
     @classmethod
     def from_observed(cls, linear: nn.Linear, weight: str, observer: Observer) -> StaticOutliersInt8Linear:

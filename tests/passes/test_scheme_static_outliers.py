@@ -9,6 +9,7 @@ sink-like token (the case the scheme exists for).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,11 @@ def test_save_and_load_give_the_same_model(tmp_path: Path) -> None:
         assert torch.equal(loaded(x), qmodel(x))
 
 
+def test_it_is_never_built_without_a_calibrated_range() -> None:
+    with pytest.raises(TypeError, match="from_observed"):
+        StaticOutliersInt8Linear.from_float(nn.Linear(8, 4), "per_channel")
+
+
 def test_convert_cannot_switch_calibrated_layers_to_it() -> None:
     prepared = fxquant.prepare(_mlp(), (_rows(0),), QuantConfig(scheme="static"))
     fxquant.calibrate(prepared, [_rows(1)], progress=False)
@@ -165,3 +171,18 @@ def test_converting_it_uncalibrated_is_a_calibration_error() -> None:
     prepared = fxquant.prepare(_mlp(), (_rows(0),), QuantConfig(scheme="static_outliers"))
     with pytest.raises(CalibrationError, match=r"saw no data.*fxquant.calibrate"):
         fxquant.convert(prepared)
+
+
+def test_a_layer_whose_token_ranges_saw_nothing_stays_float_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """As a branch calibration never took: the other layers convert, that one stays float and is named."""
+    prepared = fxquant.prepare(_mlp(), (_rows(0),), QuantConfig(scheme="static_outliers"))
+    fxquant.calibrate(prepared, [_rows(i) for i in range(4)], progress=False)
+    name, observer = next((n, m) for n, m in prepared.named_modules() if isinstance(m, TokenRangeObserver)
+                          and m.label.endswith(" 4"))
+    fresh = TokenRangeObserver(observer.in_features, MinMaxObserver())
+    fresh.label, fresh.activation.label = observer.label, observer.activation.label
+    prepared.add_submodule(name, fresh)
+    with caplog.at_level(logging.WARNING, logger="fxquant"):
+        qmodel = fxquant.convert(prepared)
+    assert [type(_layer(qmodel, p)) for p in PATHS] == [StaticOutliersInt8Linear] * 2 + [nn.Linear]
+    assert any("input of 4 saw no calibration data" in r.getMessage() for r in caplog.records)
