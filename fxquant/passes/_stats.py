@@ -85,6 +85,17 @@ def drop_statistics_node(gm: fx.GraphModule, node: fx.Node) -> None:
     gm.graph.erase_node(node)
 
 
+def insert_statistics(gm: fx.GraphModule, layer: fx.Node, value: fx.Node, observer: StatisticsObserver,
+                      prefix: str) -> None:
+    """Call ``observer`` (a new submodule named ``prefix`` + a number) on ``value`` right before ``layer``, which
+    reads the observer's output (the same value) in its place."""
+    name = unique_name(gm, prefix)
+    gm.add_submodule(name, observer)
+    with gm.graph.inserting_before(layer):
+        statistics = gm.graph.call_module(name, (value,))
+    layer.replace_input_with(value, statistics)
+
+
 def unique_name(gm: fx.GraphModule, prefix: str) -> str:
     index = 0
     while hasattr(gm, f"{prefix}{index}"):

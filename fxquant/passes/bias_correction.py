@@ -36,10 +36,10 @@ from fxquant.passes._graph import finish, nodes_of, only_user
 from fxquant.passes._stats import (
     StatisticsObserver,
     drop_statistics_node,
+    insert_statistics,
     is_activation_observer,
     is_quantized_layer,
     module_of,
-    unique_name,
 )
 from fxquant.passes.lower import weight_qparams
 from fxquant.passes.meta import LAYER_SETTINGS
@@ -230,11 +230,7 @@ def insert_bias_observers(gm: fx.GraphModule, config: QuantConfig, prefix: str =
             continue
         observer = InputMeanObserver(layer)
         observer.label = f"bias-correction statistics of the input of {prefix}{node.target}"
-        name = unique_name(gm, STATISTICS_PREFIX)
-        gm.add_submodule(name, observer)
-        with gm.graph.inserting_before(node):
-            statistics = gm.graph.call_module(name, (value,))
-        node.replace_input_with(value, statistics)
+        insert_statistics(gm, node, value, observer, STATISTICS_PREFIX)
     return finish(gm)
 
 

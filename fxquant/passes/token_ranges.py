@@ -23,7 +23,7 @@ from fxquant.config import QuantConfig
 from fxquant.nn.fused import compute_module
 from fxquant.observers import Observer, get_activation_observer
 from fxquant.passes._graph import finish, nodes_of, only_user
-from fxquant.passes._stats import StatisticsObserver, drop_statistics_node, module_of, unique_name
+from fxquant.passes._stats import StatisticsObserver, drop_statistics_node, insert_statistics, module_of
 from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.passes.patterns import tensor_input
 
@@ -87,11 +87,7 @@ def insert_token_range_observers(gm: fx.GraphModule, config: QuantConfig, prefix
             **settings.observer_options))
         observer.label = f"token ranges of the input of {prefix}{node.target}"
         observer.activation.label = f"the ordinary tokens' range of the input of {prefix}{node.target}"
-        name = unique_name(gm, STATISTICS_PREFIX)
-        gm.add_submodule(name, observer)
-        with gm.graph.inserting_before(node):
-            statistics = gm.graph.call_module(name, (value,))
-        node.replace_input_with(value, statistics)
+        insert_statistics(gm, node, value, observer, STATISTICS_PREFIX)
     return finish(gm)
 
 
