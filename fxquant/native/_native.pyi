@@ -54,3 +54,9 @@ def int8_rows_f32(rows: _FloatRows, weights: tuple[int, int, int, int, int, int]
                   /) -> bool: ...
 def int8_groups_f32(rows: _FloatRows, weights: tuple[int, int, int, int, int, int, int, int], out_ptr: int,
                     /) -> bool: ...
+
+# attention.c
+_Heads = tuple[int, int, int, int]  # data, batch stride, head stride, token stride (floats)
+
+def causal_attention_f32(q: _Heads, k: _Heads, v: _Heads, out: _Heads, shape: tuple[int, int, int, int, int],
+                         scale: float, /) -> bool: ...

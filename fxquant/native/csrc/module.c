@@ -312,6 +312,7 @@ static PyMethodDef methods[] = {
     {"rescale_rows", fxq_py_rescale_rows, METH_VARARGS, "int32 sums -> float32 with per-row and per-column scales."},
     {"int8_rows_f32", fxq_py_int8_rows_f32, METH_VARARGS, "A few-row per-token INT8 Linear on AVX512-VNNI."},
     {"int8_groups_f32", fxq_py_int8_groups_f32, METH_VARARGS, "A per-group dynamic INT8 Linear on AVX512-VNNI."},
+    {"causal_attention_f32", fxq_py_causal_attention_f32, METH_VARARGS, "A decoder's causal attention in float32."},
     {"weight_only_f32", fxq_py_weight_only_f32, METH_VARARGS, "A few-row float32 Linear on int8 weights (W8A16)."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,5 +1,5 @@
-/* fxquant.native._native: the entry points of the row loops an LLM's Linears use (weight_only.c, int8_rows.c and
- * elementwise.c's per-token quantize and rescale), kept apart from module.c for size; module.c's method table lists
+/* fxquant.native._native: the entry points of the row loops an LLM's Linears use (weight_only.c, int8_rows.c,
+ * int8_groups.c and elementwise.c's per-token quantize and rescale) and of its attention (attention.c), kept apart from module.c for size; module.c's method table lists
  * them (module_rows.h). The same conventions as module.c: tuples per struct, checked arguments, the GIL released. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -143,4 +143,41 @@ PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args) {
     if (status)
         return PyErr_NoMemory();
     Py_RETURN_NONE;
+}
+
+/* causal_attention_f32((q_ptr, s0, s1, s2), (k_ptr, s0, s1, s2), (v_ptr, s0, s1, s2), (out_ptr, s0, s1, s2),
+ *                      (batch, heads, kv_heads, tokens, dim), scale) -> bool
+ *
+ * Each tensor's address and the strides (in floats) of its first three dims, its last dim dense. False (nothing
+ * written) without AVX-512 or under a lower ISA cap. */
+PyObject *fxq_py_causal_attention_f32(PyObject *self, PyObject *args) {
+    unsigned long long q_addr, k_addr, v_addr, out_addr;
+    double scale;
+    CausalAttention p;
+    int status;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KLLL)(KLLL)(KLLL)(KLLL)(LLLLL)d", &q_addr, &p.q_strides[0], &p.q_strides[1],
+                          &p.q_strides[2], &k_addr, &p.k_strides[0], &p.k_strides[1], &p.k_strides[2], &v_addr,
+                          &p.v_strides[0], &p.v_strides[1], &p.v_strides[2], &out_addr, &p.out_strides[0],
+                          &p.out_strides[1], &p.out_strides[2], &p.batch, &p.heads, &p.kv_heads, &p.tokens, &p.dim,
+                          &scale))
+        return NULL;
+    if (p.batch < 1 || p.heads < 1 || p.kv_heads < 1 || p.heads % p.kv_heads || p.tokens < 1 || p.dim < 16 ||
+        p.dim % 16 || p.dim > FXQ_ATTENTION_MAX_DIM) {
+        PyErr_SetString(PyExc_ValueError, "causal_attention_f32: bad shape");
+        return NULL;
+    }
+    if (!fxq_attention_usable())
+        Py_RETURN_FALSE;
+    p.scale = (float)scale;
+    p.q = PTR(const float, q_addr);
+    p.k = PTR(const float, k_addr);
+    p.v = PTR(const float, v_addr);
+    p.out = PTR(float, out_addr);
+    Py_BEGIN_ALLOW_THREADS
+    status = fxq_causal_attention_f32(&p);
+    Py_END_ALLOW_THREADS
+    if (status)
+        return PyErr_NoMemory();
+    Py_RETURN_TRUE;
 }

@@ -10,6 +10,7 @@
  *   weight_only.c weight_only_f32: a few-row float32 Linear on int8 weights (fxquant/native/weight_only.py)
  *   int8_rows.c   int8_rows_f32: a few-row per-token INT8 Linear on AVX512-VNNI (fxquant/native/per_token.py)
  *   int8_groups.c int8_groups_f32: a per-group dynamic INT8 Linear on AVX512-VNNI (fxquant/native/per_group.py)
+ *   attention.c   causal_attention_f32: a decoder's causal attention in float32 (fxquant/native/attention.py)
  * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share)
  * Each struct is one Python tuple of the same fields in the same order (fxquant/native/_native.pyi), and each kernel
  * gives the bytes of the torch or engine path it replaces (the tests compare them with torch.equal). setup.py
@@ -264,5 +265,27 @@ typedef struct {
 
 /* 0, or -1 where the quantized rows could not be allocated (nothing written). Only where fxq_vnni_usable(). */
 FXQ_INTERNAL int fxq_int8_groups_f32(const Int8Groups *p);
+
+/* ---- attention.c ---- */
+
+#define FXQ_ATTENTION_MAX_DIM 256 /* head dims the loop takes: multiples of 16 up to this */
+
+/* q (batch, heads, tokens, dim), k and v (batch, kv_heads, tokens, dim), out (batch, heads, tokens, dim), each
+ * float32 with unit stride along dim and the given strides (in floats) of its first three dims; heads a multiple of
+ * kv_heads; dim a multiple of 16, at most FXQ_ATTENTION_MAX_DIM. out = softmax(q k^T * scale + causal mask) v, the
+ * mask aligned top-left (query t sees keys 0 .. t). */
+typedef struct {
+    const float *q, *k, *v;
+    int64_t q_strides[3], k_strides[3], v_strides[3];
+    float *out;
+    int64_t out_strides[3];
+    int64_t batch, heads, kv_heads, tokens, dim;
+    float scale;
+} CausalAttention;
+
+/* Whether the cap and the CPU allow the loop (AVX-512F). */
+FXQ_INTERNAL int fxq_attention_usable(void);
+/* 0, or -1 where the transposed keys could not be allocated (nothing written). Only where fxq_attention_usable(). */
+FXQ_INTERNAL int fxq_causal_attention_f32(const CausalAttention *p);
 
 #endif

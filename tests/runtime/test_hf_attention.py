@@ -1,0 +1,132 @@
+"""A converted transformers decoder runs fxquant's attention (:mod:`fxquant.runtime.hf_attention`): the loop for an
+unpadded causal prefill, transformers' SDPA for every other call, and the same function either way.
+
+The reference is the same converted model switched back to transformers' ``"sdpa"`` with its own
+``set_attn_implementation``: the INT8 Linears are the same modules, so only the attention differs. Where the loop
+runs, the logits agree to float32 rounding and greedy generation gives the same tokens; where it does not (a
+padded batch, a decode step, the loops off), the outputs are SDPA's bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import fxquant
+from fxquant import native
+from fxquant.native.attention import causal_attention_into
+from fxquant.runtime import hf_attention
+
+transformers = pytest.importorskip("transformers")
+
+
+def _loop_runs_here() -> bool:
+    """Whether the loop runs on this machine under this environment (tests/kernels/test_attention_kernel.py fails
+    where it should and does not)."""
+    x = torch.randn(1, 1, 2, 16)
+    return causal_attention_into(torch.empty_like(x), x, x, x, 0.25)
+
+
+class _Spy:
+    """Stands for ``causal_attention_into`` in the module: records the query length of each call that ran."""
+
+    def __init__(self) -> None:
+        self.ran: list[int] = []
+        self.inner = hf_attention.causal_attention_into
+
+    def __call__(self, out: torch.Tensor, query: torch.Tensor, *args: Any) -> bool:
+        ran = self.inner(out, query, *args)
+        if ran:
+            self.ran.append(query.shape[2])
+        return ran
+
+
+@pytest.fixture
+def spy(monkeypatch: pytest.MonkeyPatch) -> _Spy:
+    recorder = _Spy()
+    monkeypatch.setattr(hf_attention, "causal_attention_into", recorder)
+    return recorder
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[Any, Any]:
+    """(float, converted) 2-layer Llama: 4 query heads on 2 kv heads of dim 16."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=96,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    qmodel = fxquant.convert(fxquant.prepare(model, (torch.randint(3, 96, (1, 8)),)))
+    return model, qmodel
+
+
+def _logits(model: Any, ids: torch.Tensor, implementation: str, **kwargs: Any) -> torch.Tensor:
+    model.set_attn_implementation(implementation)
+    try:
+        with torch.inference_mode():
+            return model(ids, **kwargs).logits
+    finally:
+        model.set_attn_implementation(hf_attention.NAME)
+
+
+def test_convert_switches_the_model_and_leaves_the_float_model_alone(models: tuple[Any, Any]) -> None:
+    model, qmodel = models
+    assert qmodel.config._attn_implementation == hf_attention.NAME
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_prefill_runs_the_loop_and_matches_sdpa(models: tuple[Any, Any], spy: _Spy) -> None:
+    if not _loop_runs_here():
+        pytest.skip("the attention loop needs the C loops and AVX-512 (FXQUANT_ISA at avx512 or above)")
+    _, qmodel = models
+    ids = torch.randint(3, 96, (2, 37))
+    with torch.inference_mode():
+        ours = qmodel(ids).logits
+    assert spy.ran == [37, 37]  # both layers' attention took the loop
+    torch.testing.assert_close(ours, _logits(qmodel, ids, "sdpa"), rtol=0, atol=1e-4)
+
+
+def test_greedy_generation_gives_sdpas_tokens(models: tuple[Any, Any], spy: _Spy) -> None:
+    _, qmodel = models
+    prompt = torch.randint(3, 96, (1, 20))
+    ours = qmodel.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert spy.ran == ([20, 20] if _loop_runs_here() else [])  # the prefill only: a decode step has one query
+    qmodel.set_attn_implementation("sdpa")
+    try:
+        theirs = qmodel.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    finally:
+        qmodel.set_attn_implementation(hf_attention.NAME)
+    assert torch.equal(ours, theirs)
+
+
+def test_a_padded_batch_takes_sdpa_unchanged(models: tuple[Any, Any], spy: _Spy) -> None:
+    _, qmodel = models
+    ids = torch.randint(3, 96, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding: transformers builds a mask, which the loop does not take
+    with torch.inference_mode():
+        ours = qmodel(ids, attention_mask=mask).logits
+    assert spy.ran == []
+    assert torch.equal(ours, _logits(qmodel, ids, "sdpa", attention_mask=mask))
+
+
+def test_without_the_loops_every_call_is_sdpas(models: tuple[Any, Any], spy: _Spy,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "loops", None)
+    _, qmodel = models
+    ids = torch.randint(3, 96, (1, 16))
+    with torch.inference_mode():
+        ours = qmodel(ids).logits
+    assert spy.ran == []
+    assert torch.equal(ours, _logits(qmodel, ids, "sdpa"))
+
+
+def test_a_model_that_is_not_on_sdpa_keeps_its_attention() -> None:
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("eager")
+    qmodel = fxquant.convert(fxquant.prepare(model, (torch.randint(3, 64, (1, 8)),)))
+    assert qmodel.config._attn_implementation == "eager"
