@@ -1,6 +1,8 @@
 """SmolLM2-135M-Instruct in one run: FP32, fxquant's INT8 schemes and the INT8 tools a user would pick instead.
 
 Rows, all from one float model (:mod:`fxquant.models.gguf_llama`): FP32, eager and ``torch.compile``d (a peer);
+FP32 on the attention loop fxquant's converted models run (not a peer: it shows how much of their prefill speed-up
+is the attention's rather than INT8's);
 ``torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)``; torchao ``quantize_`` with
 ``Int8DynamicActivationInt8WeightConfig()`` and ``Int8WeightOnlyConfig()``, eager and compiled; fxquant's default
 (``scheme="auto"``: ``"dynamic_group"`` for a decoder), ``QuantConfig(scheme="dynamic")`` and
@@ -62,6 +64,7 @@ from fxquant.errors import FxQuantError
 from fxquant.models.corpus import calibration_text, evaluation_text, perplexity, token_windows
 from fxquant.models.gguf_llama import load_gguf_llama, smollm2_path
 from fxquant.report.latency import LatencyStats, num_threads
+from fxquant.runtime.hf_attention import use_fast_attention
 
 DEFAULT_RECIPE = '{"*": "dynamic_group"}'
 SIZES = {"calibration_windows": (16, 2), "evaluation_windows": (6, 1), "seq_len": (512, 64), "prefill_len": (512, 64),
@@ -141,6 +144,12 @@ def build_fxq_outliers(b: Bench, row: Row) -> nn.Module:
     return fxquant.convert(prepared)
 
 
+def build_fp32_attention(b: Bench, row: Row) -> nn.Module:
+    """The float model on the attention a converted model runs (fxquant.runtime.hf_attention): what of the INT8
+    rows' prefill speed-up comes from the attention loop rather than from INT8."""
+    return use_fast_attention(copy.deepcopy(b.fp32))
+
+
 def _expire(signum: int, frame: Any) -> None:
     raise TimeoutError("torch.compile's first calls took longer than --compile-timeout")
 
@@ -167,6 +176,7 @@ _TORCHAO_WO = partial(build_torchao, weight_only=True)
 ROWS: dict[str, tuple[str, Builder]] = {  # key -> (label, builder), in the table's order
     "fp32": ("FP32", lambda b, row: b.fp32),
     "fp32-compiled": ("FP32 torch.compile", partial(build_compiled, build=lambda b, row: b.fp32)),
+    "fp32-attention": ("FP32 on fxquant's attention (not a peer)", build_fp32_attention),
     "ao-dynamic": ("torch.ao quantize_dynamic", build_ao_dynamic),
     "torchao-w8a8": ("torchao int8 dyn-act W8A8", _TORCHAO_W8A8),
     "torchao-w8a8-compiled": ("torchao int8 dyn-act W8A8 torch.compile", partial(build_compiled, build=_TORCHAO_W8A8)),
@@ -180,6 +190,7 @@ ROWS: dict[str, tuple[str, Builder]] = {  # key -> (label, builder), in the tabl
     "fxq-outliers": ("fxquant static W8A8, outlier tokens at their own scale", build_fxq_outliers),
 }
 FXQUANT = tuple(key for key in ROWS if key.startswith("fxq-"))
+NOT_PEERS = (*FXQUANT, "fp32-attention")
 
 
 def build_rows(b: Bench, keys: Sequence[str]) -> list[Row]:
@@ -295,7 +306,7 @@ def speed_checks(row: Row, fp32: Row, peers: Sequence[Row], where: tuple[str, in
 
 def targets(rows: Sequence[Row], b: Bench) -> list[str]:
     fp32, args, lines = rows[0], b.args, []
-    peers = [row for row in rows[1:] if row.key not in FXQUANT]
+    peers = [row for row in rows[1:] if row.key not in NOT_PEERS]
     for row in (r for r in rows if r.key in FXQUANT):
         limit = PPL_LIMIT.get(row.key, 1.01)
         lines.append(_check(None, f"{row.label}: perplexity not measured ({_error(row, 'perplexity')})")

@@ -43,7 +43,7 @@ def _fast(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torc
                 and t.stride(-1) == 1 for t in tensors)
             or query.shape[-1] % 16 or query.shape[-1] > MAX_DIM or query.shape[1] % key.shape[1]
             or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            or torch.compiler.is_compiling() or torch.jit.is_tracing() or torch.fx._symbolic_trace.is_fx_tracing()):
+            or torch.compiler.is_compiling() or torch.jit.is_tracing()):  # (an fx Proxy is not a Tensor)
         return None
     tokens = query.shape[2]  # SDPA's causal mask is aligned top-left: it, too, keeps only the first tokens' keys
     key, value = key[:, :, :tokens], value[:, :, :tokens]
