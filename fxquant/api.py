@@ -45,7 +45,7 @@ from fxquant.passes.token_ranges import attach_token_ranges
 from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
 from fxquant.runtime import runner
 from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
-from fxquant.runtime.hf_attention import use_fast_attention
+from fxquant.runtime.hf_attention import attention_for_backend
 from fxquant.state import NONE, STATE_KEY, InputSpec, QuantState, drop_in, quant_state, update_state
 from fxquant.tracing import GraphBreak, trace, trace_partially, user_location
 
@@ -293,7 +293,7 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics,
                                  layer_backends=choices, keep_float=tuple(keep_float), schemes=dict(schemes or {}))
-    return use_fast_attention(drop_in(runner.install(gm)))
+    return attention_for_backend(drop_in(runner.install(gm)), name)
 
 
 def _replay_auto(final: fx.GraphModule, state: QuantState, choices: dict[str, str]

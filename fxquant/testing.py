@@ -185,12 +185,14 @@ def quantized_dtype_backends() -> list[str]:
 
 def relowered(qmodel: nn.Module, backend: str) -> nn.Module:
     """A copy of converted ``qmodel`` with every INT8 module on ``backend``: the same qparams, another backend's
-    arithmetic (what an export computes: the ``.pt2`` runs the reference backend on the model's own qparams)."""
+    arithmetic (what an export computes: the ``.pt2`` runs the reference backend on the model's own qparams), and
+    the attention ``convert`` gives that backend (:func:`fxquant.runtime.hf_attention.attention_for_backend`)."""
     from fxquant.nn.quantized import _BackendModule
+    from fxquant.runtime.hf_attention import attention_for_backend
     from fxquant.state import drop_in, graph_of
 
     twin = copy.deepcopy(graph_of(qmodel))  # a drop-in model: the GraphModule behind it, then its drop-in again
     for module in twin.modules():
         if isinstance(module, _BackendModule):
             module.relower(get_backend(backend))
-    return drop_in(twin)
+    return attention_for_backend(drop_in(twin), backend)

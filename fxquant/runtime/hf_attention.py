@@ -13,7 +13,8 @@ back. :func:`attention` takes the loop only where SDPA itself would run its caus
 same function: no mask (transformers passes none for an unpadded causal prefill), more than one query, float32 on
 the CPU, no dropout, softcap, attention sinks, position bias or attention weights asked for, a head dim the loop
 takes, no autograd, not under a tracer or compiler. Everything else goes to ``sdpa_attention_forward`` unchanged:
-a decode step (one query), a padded batch (a mask), another dtype.
+a decode step (one query), a padded batch (a mask), another dtype. ``convert`` calls
+:func:`attention_for_backend`: the reference backend, torch's own arithmetic by design, keeps ``"sdpa"``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,18 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                   is_causal=is_causal, **kwargs)
+
+
+def attention_for_backend(model: nn.Module, backend: str) -> nn.Module:
+    """``model`` on :data:`NAME` (:func:`use_fast_attention`) for every kernel backend but ``"reference"``, which
+    computes with torch's own ops by design (what an exported ``.pt2`` computes, and what tests compare with): a
+    model switched to :data:`NAME` goes back to ``"sdpa"`` there."""
+    if backend != "reference":
+        return use_fast_attention(model)
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == NAME:
+        model.set_attn_implementation("sdpa")  # type: ignore[operator]
+    return model
 
 
 def use_fast_attention(model: nn.Module) -> nn.Module:

@@ -130,3 +130,15 @@ def test_a_model_that_is_not_on_sdpa_keeps_its_attention() -> None:
     model.set_attn_implementation("eager")
     qmodel = fxquant.convert(fxquant.prepare(model, (torch.randint(3, 64, (1, 8)),)))
     assert qmodel.config._attn_implementation == "eager"
+
+
+def test_the_reference_backend_keeps_torchs_attention(models: tuple[Any, Any]) -> None:
+    """The reference backend computes with torch's ops by design (what an exported .pt2 computes): its conversion,
+    and a converted model re-lowered onto it, run transformers' SDPA; the model re-lowered from keeps the loop."""
+    from fxquant.testing import relowered
+
+    model, qmodel = models
+    reference = fxquant.convert(fxquant.prepare(model, (torch.randint(3, 96, (1, 8)),)), backend="reference")
+    assert reference.config._attn_implementation == "sdpa"
+    assert relowered(qmodel, "reference").config._attn_implementation == "sdpa"
+    assert qmodel.config._attn_implementation == hf_attention.NAME
