@@ -14,7 +14,8 @@ same function: no mask (transformers passes none for an unpadded causal prefill)
 the CPU, no dropout, softcap, attention sinks, position bias or attention weights asked for, a head dim the loop
 takes, no autograd, not under a tracer or compiler. Everything else goes to ``sdpa_attention_forward`` unchanged:
 a decode step (one query), a padded batch (a mask), another dtype. ``convert`` calls
-:func:`attention_for_backend`: the reference backend, torch's own arithmetic by design, keeps ``"sdpa"``.
+:func:`attention_for_backend`: the reference backend, torch's own arithmetic by design, and a model with no INT8
+layer left keep ``"sdpa"``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import torch
 from torch import nn
 
 from fxquant.native.attention import MAX_DIM, causal_attention_into
+from fxquant.nn.quantized import _BackendModule
+from fxquant.nn.schemes import SchemeLinear
 
 NAME = "fxquant_sdpa"  # the attn_implementation name of :func:`attention` in transformers' registries
 _DECLINED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")  # what the loop does not compute
@@ -70,10 +73,11 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
 
 
 def attention_for_backend(model: nn.Module, backend: str) -> nn.Module:
-    """``model`` on :data:`NAME` (:func:`use_fast_attention`) for every kernel backend but ``"reference"``, which
-    computes with torch's own ops by design (what an exported ``.pt2`` computes, and what tests compare with): a
-    model switched to :data:`NAME` goes back to ``"sdpa"`` there."""
-    if backend != "reference":
+    """``model`` (converted) on :data:`NAME` (:func:`use_fast_attention`) where it runs INT8 layers on a kernel
+    backend, else on ``"sdpa"`` (a model switched to :data:`NAME` goes back): the reference backend computes with
+    torch's own ops by design (what an exported ``.pt2`` computes, and what tests compare with), and a model with
+    every layer kept float (``keep_float=["*"]``) must be the float computation bit for bit."""
+    if backend != "reference" and any(isinstance(m, (_BackendModule, SchemeLinear)) for m in model.modules()):
         return use_fast_attention(model)
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == NAME:

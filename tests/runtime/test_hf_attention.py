@@ -142,3 +142,10 @@ def test_the_reference_backend_keeps_torchs_attention(models: tuple[Any, Any]) -
     assert reference.config._attn_implementation == "sdpa"
     assert relowered(qmodel, "reference").config._attn_implementation == "sdpa"
     assert qmodel.config._attn_implementation == hf_attention.NAME
+
+
+def test_a_model_with_every_layer_kept_float_keeps_torchs_attention(models: tuple[Any, Any]) -> None:
+    """``keep_float=["*"]`` is the float computation bit for bit (the accuracy-budget search relies on it)."""
+    model, _ = models
+    qmodel = fxquant.convert(fxquant.prepare(model, (torch.randint(3, 96, (1, 8)),)), keep_float=["*"])
+    assert qmodel.config._attn_implementation == "sdpa"
