@@ -126,6 +126,7 @@ __attribute__((target("avx512f"))) static void attention_avx512(const CausalAtte
                                                                  const int64_t tokens_pad) {
     const int64_t blocks = (p->tokens + QROWS - 1) / QROWS, items = p->batch * p->heads * blocks;
     const int64_t work = p->batch * p->heads * p->tokens * p->tokens * p->dim / 2;
+    (void)work; /* read only by the OpenMP pragmas */
     FXQ_PARALLEL_FOR(work >= FXQ_PARALLEL_WORK)
     for (int64_t i = 0; i < p->batch * p->kv_heads; i++) { /* keys transposed, zero past the last token */
         const float *k = p->k + i / p->kv_heads * p->k_strides[0] + i % p->kv_heads * p->k_strides[1];
@@ -134,7 +135,7 @@ __attribute__((target("avx512f"))) static void attention_avx512(const CausalAtte
             for (int64_t t = 0; t < tokens_pad; t++)
                 dst[d * tokens_pad + t] = t < p->tokens ? k[t * p->k_strides[2] + d] : 0.0f;
     }
-    FXQ_PRAGMA(omp parallel for schedule(static, 1) if (work >= FXQ_PARALLEL_WORK))
+    FXQ_PARALLEL_FOR_DEALT(work >= FXQ_PARALLEL_WORK)
     for (int64_t i = 0; i < items; i++) { /* round robin: a thread's items span the rows' growing costs */
         const int64_t b = i / (p->heads * blocks), h = i / blocks % p->heads, r0 = i % blocks * QROWS;
         const float *kh = kt + (b * p->kv_heads + h / (p->heads / p->kv_heads)) * p->dim * tokens_pad;

@@ -42,8 +42,10 @@
 #define FXQ_PRAGMA(text) _Pragma(#text)
 #ifdef _OPENMP
 #define FXQ_PARALLEL_FOR(cond) FXQ_PRAGMA(omp parallel for schedule(static) if (cond))
+#define FXQ_PARALLEL_FOR_DEALT(cond) FXQ_PRAGMA(omp parallel for schedule(static, 1) if (cond)) /* round robin */
 #else
 #define FXQ_PARALLEL_FOR(cond)
+#define FXQ_PARALLEL_FOR_DEALT(cond)
 #endif
 #define FXQ_PARALLEL_WORK ((int64_t)1 << 16) /* weights (or values) below which one thread finishes first */
 
