@@ -1,6 +1,7 @@
 /* fxquant.native._native: the entry points of the row loops an LLM's Linears use (weight_only.c, int8_rows.c,
- * int8_groups.c and elementwise.c's per-token quantize and rescale) and of its attention (attention.c), kept apart from module.c for size; module.c's method table lists
- * them (module_rows.h). The same conventions as module.c: tuples per struct, checked arguments, the GIL released. */
+ * int8_groups.c and elementwise.c's per-token quantize and rescale) and of its attention (attention.c), kept apart
+ * from module.c for size; module.c's method table lists them (module_rows.h). The same conventions as module.c:
+ * tuples per struct, checked arguments, the GIL released. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -9,6 +10,16 @@
 #include "native.h"
 
 #define PTR(type, addr) ((type *)(uintptr_t)(addr))
+
+/* Runs a kernel call on checked arguments without the GIL and returns from the entry point: MemoryError where the
+ * call returned -1 (it could not allocate; nothing written), else `done` (Py_RETURN_TRUE or Py_RETURN_NONE). */
+#define RUN_AND_RETURN(call, done)                                                                                   \
+    do {                                                                                                               \
+        int status_;                                                                                                   \
+        Py_BEGIN_ALLOW_THREADS status_ = (call);                                                                       \
+        Py_END_ALLOW_THREADS if (status_) return PyErr_NoMemory();                                                     \
+        done;                                                                                                          \
+    } while (0)
 
 /* quantize_rows_s8((x_ptr, rows, width, x_stride, input_scale_ptr), q_ptr, scale_ptr) -> None; x_stride in floats,
  * input_scale_ptr 0: none. */
@@ -53,7 +64,6 @@ PyObject *fxq_py_rescale_rows(PyObject *self, PyObject *args) {
 PyObject *fxq_py_int8_rows_f32(PyObject *self, PyObject *args) {
     unsigned long long x_addr, is_addr, w_addr, sums_addr, cs_addr, bias_addr, out_addr;
     Int8Rows p;
-    int status;
     (void)self;
     if (!PyArg_ParseTuple(args, "(KKLL)(KKKKLL)K", &x_addr, &is_addr, &p.rows, &p.x_stride, &w_addr, &sums_addr,
                           &cs_addr, &bias_addr, &p.in_features, &p.out_features, &out_addr))
@@ -71,12 +81,7 @@ PyObject *fxq_py_int8_rows_f32(PyObject *self, PyObject *args) {
     p.col_scale = PTR(const float, cs_addr);
     p.bias = bias_addr ? PTR(const float, bias_addr) : NULL;
     p.out = PTR(float, out_addr);
-    Py_BEGIN_ALLOW_THREADS
-    status = fxq_int8_rows_f32(&p);
-    Py_END_ALLOW_THREADS
-    if (status)
-        return PyErr_NoMemory();
-    Py_RETURN_TRUE;
+    RUN_AND_RETURN(fxq_int8_rows_f32(&p), Py_RETURN_TRUE);
 }
 
 /* int8_groups_f32((x_ptr, input_scale_ptr, rows, x_stride), (w, group_sums, col_scale, bias, in_features,
@@ -85,7 +90,6 @@ PyObject *fxq_py_int8_rows_f32(PyObject *self, PyObject *args) {
 PyObject *fxq_py_int8_groups_f32(PyObject *self, PyObject *args) {
     unsigned long long x_addr, is_addr, w_addr, sums_addr, cs_addr, bias_addr, out_addr;
     Int8Groups p;
-    int status;
     (void)self;
     if (!PyArg_ParseTuple(args, "(KKLL)(KKKKLLLL)K", &x_addr, &is_addr, &p.rows, &p.x_stride, &w_addr, &sums_addr,
                           &cs_addr, &bias_addr, &p.in_features, &p.out_features, &p.n_pad, &p.group, &out_addr))
@@ -104,12 +108,7 @@ PyObject *fxq_py_int8_groups_f32(PyObject *self, PyObject *args) {
     p.col_scale = PTR(const float, cs_addr);
     p.bias = bias_addr ? PTR(const float, bias_addr) : NULL;
     p.out = PTR(float, out_addr);
-    Py_BEGIN_ALLOW_THREADS
-    status = fxq_int8_groups_f32(&p);
-    Py_END_ALLOW_THREADS
-    if (status)
-        return PyErr_NoMemory();
-    Py_RETURN_TRUE;
+    RUN_AND_RETURN(fxq_int8_groups_f32(&p), Py_RETURN_TRUE);
 }
 
 /* weight_only_f32((x_ptr, input_scale_ptr, rows, x_stride), (w_ptr, scale_ptr, bias_ptr, in_features, out_features,
@@ -120,7 +119,6 @@ PyObject *fxq_py_int8_groups_f32(PyObject *self, PyObject *args) {
 PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args) {
     unsigned long long x_addr, is_addr, w_addr, scale_addr, bias_addr, out_addr;
     WeightOnlyRows p;
-    int status;
     (void)self;
     if (!PyArg_ParseTuple(args, "(KKLL)(KKKLLL)(KL)", &x_addr, &is_addr, &p.rows, &p.x_stride, &w_addr, &scale_addr,
                           &bias_addr, &p.in_features, &p.out_features, &p.group, &out_addr, &p.out_stride))
@@ -137,12 +135,7 @@ PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args) {
     p.scale = PTR(const float, scale_addr);
     p.bias = bias_addr ? PTR(const float, bias_addr) : NULL;
     p.out = PTR(float, out_addr);
-    Py_BEGIN_ALLOW_THREADS
-    status = fxq_weight_only_f32(&p);
-    Py_END_ALLOW_THREADS
-    if (status)
-        return PyErr_NoMemory();
-    Py_RETURN_NONE;
+    RUN_AND_RETURN(fxq_weight_only_f32(&p), Py_RETURN_NONE);
 }
 
 /* causal_attention_f32((q_ptr, s0, s1, s2), (k_ptr, s0, s1, s2), (v_ptr, s0, s1, s2), (out_ptr, s0, s1, s2),
@@ -154,7 +147,6 @@ PyObject *fxq_py_causal_attention_f32(PyObject *self, PyObject *args) {
     unsigned long long q_addr, k_addr, v_addr, out_addr;
     double scale;
     CausalAttention p;
-    int status;
     (void)self;
     if (!PyArg_ParseTuple(args, "(KLLL)(KLLL)(KLLL)(KLLL)(LLLLL)d", &q_addr, &p.q_strides[0], &p.q_strides[1],
                           &p.q_strides[2], &k_addr, &p.k_strides[0], &p.k_strides[1], &p.k_strides[2], &v_addr,
@@ -174,10 +166,5 @@ PyObject *fxq_py_causal_attention_f32(PyObject *self, PyObject *args) {
     p.k = PTR(const float, k_addr);
     p.v = PTR(const float, v_addr);
     p.out = PTR(float, out_addr);
-    Py_BEGIN_ALLOW_THREADS
-    status = fxq_causal_attention_f32(&p);
-    Py_END_ALLOW_THREADS
-    if (status)
-        return PyErr_NoMemory();
-    Py_RETURN_TRUE;
+    RUN_AND_RETURN(fxq_causal_attention_f32(&p), Py_RETURN_TRUE);
 }
