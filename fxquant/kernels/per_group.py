@@ -98,10 +98,14 @@ def per_group_linear(x: torch.Tensor, packed: torch.Tensor, group_sums: torch.Te
     in_features = packed.shape[1] * 4
     if x.shape[-1] != in_features:
         raise ValueError(f"per_group_linear: input of shape {tuple(x.shape)} for {in_features} input features")
-    rows = x.reshape(-1, in_features).to(torch.float32)
-    if rows.stride(-1) != 1 or rows.stride(0) < in_features:
-        rows = rows.contiguous()
-    out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
+    if x.dtype == torch.float32 and x.is_contiguous():
+        rows = x  # a decode step's input, read as it lies, the output made in its final shape
+    else:
+        rows = x.reshape(-1, in_features).to(torch.float32)
+        if rows.stride(-1) != 1 or rows.stride(0) < in_features:
+            rows = rows.contiguous()
+    out = torch.empty((*rows.shape[:-1], out_features), dtype=torch.float32)
     if not int8_groups_into(out, rows, packed, group_sums, weight_scale, bias, input_scale, group):
-        out = _torch_path(rows, unpack_weights(packed, out_features), weight_scale, bias, group, input_scale)
-    return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
+        weight = unpack_weights(packed, out_features)
+        out = _torch_path(rows.reshape(-1, in_features), weight, weight_scale, bias, group, input_scale).view(out.shape)
+    return out if rows is x else out.reshape(*x.shape[:-1], out_features).to(x.dtype)

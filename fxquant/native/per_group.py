@@ -8,21 +8,22 @@ import torch
 
 from fxquant.native import loader
 from fxquant.native.loader import extension
-from fxquant.native.per_token import address
+from fxquant.native.per_token import address, row_layout
 
 
 def int8_groups_into(out: torch.Tensor, x: torch.Tensor, packed: torch.Tensor, group_sums: torch.Tensor,
                      col_scale: torch.Tensor, bias: torch.Tensor | None, input_scale: torch.Tensor | None,
                      group: int) -> bool:
-    """Dense float32 ``out`` (rows, out_features) of the per-group dynamic INT8 Linear
-    (:func:`fxquant.kernels.per_group.per_group_linear`) from 2-d float32 ``x`` with unit column stride, the
-    weights packed by :func:`~fxquant.kernels.per_group.pack_weights` with their ``group_sums``, everything else
-    dense float32. False (nothing written) without AVX512-VNNI or where the loops are off."""
+    """Dense float32 ``out`` (..., out_features) of the per-group dynamic INT8 Linear
+    (:func:`fxquant.kernels.per_group.per_group_linear`) from float32 ``x`` (..., in_features) with the same rows
+    (along the last dimension), dense or 2-d with unit column stride, the weights packed by
+    :func:`~fxquant.kernels.per_group.pack_weights` with their ``group_sums``, everything else dense float32. False
+    (nothing written) without AVX512-VNNI or where the loops are off."""
     if loader.loops_for("int8_groups") is None:
         return False
-    in_features, out_features = x.shape[1], out.shape[1]
+    in_features, out_features = x.shape[-1], out.shape[-1]
     return extension.int8_groups_f32(
-        (x.data_ptr(), address(input_scale), x.shape[0], x.stride(0)),
+        (x.data_ptr(), address(input_scale), *row_layout(x)),
         (packed.data_ptr(), group_sums.data_ptr(), col_scale.data_ptr(), address(bias), in_features, out_features,
          packed.shape[0] * packed.shape[2], group),
         out.data_ptr())

@@ -20,6 +20,12 @@ def address(tensor: torch.Tensor | None) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
+def row_layout(t: torch.Tensor) -> tuple[int, int]:
+    """The rows of ``t`` (along its last dimension) and their stride in elements, for ``t`` dense of any shape (its
+    stride along a dimension of size one says nothing) or 2-d with unit column stride."""
+    return t.numel() // t.shape[-1], t.shape[-1] if t.is_contiguous() else t.stride(0)
+
+
 def quantize_rows_into(q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
                        input_scale: torch.Tensor | None = None) -> bool:
     """``q`` (dense int8, rows' shape) and ``scale`` (dense float32, one per row) from 2-d float32 ``rows`` with unit

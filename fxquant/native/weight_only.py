@@ -9,6 +9,7 @@ import torch
 
 from fxquant.native import loader
 from fxquant.native.loader import extension
+from fxquant.native.per_token import row_layout
 
 
 class FloatRows(NamedTuple):
@@ -40,12 +41,6 @@ class FloatOut(NamedTuple):
     stride: int
 
 
-def _rows(t: torch.Tensor) -> tuple[int, int]:
-    """The rows of ``t`` (along its last dimension) and their stride in elements: a 2-d view's, or a dense tensor's
-    of any shape."""
-    return t.numel() // t.shape[-1], t.stride(0) if t.dim() == 2 else t.shape[-1]
-
-
 def weight_only_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                      bias: torch.Tensor | None, input_scale: torch.Tensor | None = None) -> bool:
     """``out = (x * input_scale) @ dequantized.T + bias`` (``x`` alone without ``input_scale``) for float32 ``x``
@@ -57,11 +52,11 @@ def weight_only_into(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, s
     if loader.loops_for("weight_only") is None:
         return False
     out_features, in_features = weight.shape
-    rows, x_stride = _rows(x)
+    rows, x_stride = row_layout(x)
     group = in_features // (scale.shape[1] if scale.dim() == 2 else 1)
     extension.weight_only_f32(
         FloatRows(x.data_ptr(), 0 if input_scale is None else input_scale.data_ptr(), rows, x_stride),
         Int8Weights(weight.data_ptr(), scale.data_ptr(), 0 if bias is None else bias.data_ptr(), in_features,
                     out_features, group),
-        FloatOut(out.data_ptr(), _rows(out)[1]))
+        FloatOut(out.data_ptr(), row_layout(out)[1]))
     return True
