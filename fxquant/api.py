@@ -169,9 +169,10 @@ def prepare(model: nn.Module, example_inputs: Any, config: QuantConfig | None = 
                   for v in example_inputs if v is None or isinstance(v, torch.Tensor))
     gm.meta[STATE_KEY] = QuantState(config, "prepared", specs, graph_breaks=breaks, wrapped=wrapped,
                                     channels_last=runs_channels_last(gm, example_inputs))
-    unsmoothed = [node.meta[LAYER_SETTINGS].scheme for g in (gm, *prepared_islands(gm).values())
-                  for node in scheme_layers(g)]
-    if not observers_of(gm) and not unsmoothed:  # documented (docs/robustness.md): a no-op, not an error
+    schemed = [node.meta[LAYER_SETTINGS].scheme for g in (gm, *prepared_islands(gm).values())
+               for node in scheme_layers(g)]
+    unsmoothed = [scheme for scheme in schemed if scheme != "static_outliers"]  # those observe their inputs
+    if not observers_of(gm) and not schemed:  # documented (docs/robustness.md): a no-op, not an error
         log.warning("fxquant: %s has no Linear/Conv layer to quantize (all excluded or untraceable); "
                     "convert() will return it unchanged, in float", type(model).__name__)
     if config.smoothquant_alpha is not None and unsmoothed:

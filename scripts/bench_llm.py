@@ -135,8 +135,10 @@ def build_fxq_static(b: Bench, row: Row, *, mixed: bool = False) -> nn.Module:
 
 
 def build_fxq_outliers(b: Bench, row: Row) -> nn.Module:
-    """``scheme="static_outliers"``: its own calibration on the same windows (timed at one thread)."""
-    prepared = fxquant.prepare(b.fp32, (b.calibration[0],), fxquant.QuantConfig(scheme="static_outliers"))
+    """``scheme="static_outliers"`` with SmoothQuant's per-layer alpha: its own calibration on the same windows (timed
+    at one thread)."""
+    config = fxquant.QuantConfig(scheme="static_outliers", smoothquant_alpha="auto")
+    prepared = fxquant.prepare(b.fp32, (b.calibration[0],), config)
     start = time.perf_counter()
     with num_threads(1):
         fxquant.calibrate(prepared, b.calibration, progress=False)
@@ -187,7 +189,7 @@ ROWS: dict[str, tuple[str, Builder]] = {  # key -> (label, builder), in the tabl
     "fxq-wo": ("fxquant weight-only", partial(build_fxq_scheme, scheme="weight_only")),
     "fxq-static": ("fxquant static W8A8", build_fxq_static),
     "fxq-mixed": ("fxquant mixed", partial(build_fxq_static, mixed=True)),
-    "fxq-outliers": ("fxquant static W8A8, outlier tokens at their own scale", build_fxq_outliers),
+    "fxq-outliers": ("fxquant static W8A8, outlier tokens at their own scale, SmoothQuant auto", build_fxq_outliers),
 }
 FXQUANT = tuple(key for key in ROWS if key.startswith("fxq-"))
 NOT_PEERS = (*FXQUANT, "fp32-attention")

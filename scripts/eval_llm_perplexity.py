@@ -14,11 +14,13 @@ default ``"auto"`` gives a decoder dynamic per-group layers, which have no range
 calibration windows; every INT8 row converts that one calibration (``keep_float`` keeps the matching layers float).
 The uncalibrated scheme rows follow: ``scheme="dynamic"`` (per-token) and ``"dynamic_group"`` at each ``--groups``
 size (``fxquant.kernels.per_group.GROUP``, set for the row), then ``scheme="static_outliers"`` calibrated at each
-``--outlier-factors`` value (``fxquant.passes.token_ranges.OUTLIER_FACTOR``, set for the row). Perplexity is exp of
+``--outlier-factors`` value (``fxquant.passes.token_ranges.OUTLIER_FACTOR``, set for the row) and SmoothQuant
+``--outlier-alphas`` value (``smoothquant_alpha``). Perplexity is exp of
 the mean next-token cross entropy over every position of the evaluation windows.
 
     python scripts/eval_llm_perplexity.py --evaluation-windows 6 --groups 64,128,256
     python scripts/eval_llm_perplexity.py --calibration-windows 16 --evaluation-windows 6 --outlier-factors 2,3,4,8,16
+    python scripts/eval_llm_perplexity.py --calibration-windows 16 --evaluation-windows 6 --outlier-alphas none,auto
 """
 
 from __future__ import annotations
@@ -132,17 +134,25 @@ def scheme_rows(model: torch.nn.Module, data: Data, groups: Sequence[int]) -> di
     return rows
 
 
-def outlier_rows(model: torch.nn.Module, data: Data, factors: Sequence[float]) -> dict[str, Row]:
+def outlier_rows(model: torch.nn.Module, data: Data, factors: Sequence[float],
+                 alphas: Sequence[float | str | None]) -> dict[str, Row]:
     """``scheme="static_outliers"`` calibrated with each outlier factor (rows above that many times the median row's
-    peak left out of the ranges)."""
+    peak left out of the ranges) and each SmoothQuant alpha (None: off)."""
     rows = {}
     for factor in factors:
-        label = f"fxquant scheme='static_outliers', outlier rows > {factor:g}x the median"
-        with setting(token_ranges, "OUTLIER_FACTOR", factor):
-            prepared = fxquant.prepare(model, (data.calibration[0],), fxquant.QuantConfig(scheme="static_outliers"))
-            fxquant.calibrate(prepared, data.calibration, progress=False)
-        rows[label] = measure(label, fxquant.convert(prepared), data.evaluation)
+        for alpha in alphas:
+            label = f"fxquant scheme='static_outliers', outlier rows > {factor:g}x the median, SmoothQuant {alpha}"
+            config = fxquant.QuantConfig(scheme="static_outliers", smoothquant_alpha=alpha)
+            with setting(token_ranges, "OUTLIER_FACTOR", factor):
+                prepared = fxquant.prepare(model, (data.calibration[0],), config)
+                fxquant.calibrate(prepared, data.calibration, progress=False)
+            rows[label] = measure(label, fxquant.convert(prepared), data.evaluation)
     return rows
+
+
+def alpha(text: str) -> float | str | None:
+    """A SmoothQuant alpha on the command line: ``none``, ``auto`` or a number."""
+    return None if text == "none" else text if text == "auto" else float(text)
 
 
 def summary(fp32: Row, rows: dict[str, Row]) -> list[str]:
@@ -161,6 +171,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         default=[token_ranges.OUTLIER_FACTOR],
                         help="outlier factors of the static_outliers rows, comma-separated (default "
                              f"{token_ranges.OUTLIER_FACTOR:g})")
+    parser.add_argument("--outlier-alphas", type=lambda text: [alpha(a) for a in text.split(",")], default=[None],
+                        help="SmoothQuant alphas of the static_outliers rows, comma-separated: none, auto or a number "
+                             "(default none)")
     return finish_window_arguments(parser.parse_args(argv))
 
 
@@ -178,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prepared, prepare_s, calibrate_s = calibrated(model, data)
     rows = int8_rows(prepared, data)
     rows |= scheme_rows(model, data, args.groups)
-    rows |= outlier_rows(model, data, args.outlier_factors)
+    rows |= outlier_rows(model, data, args.outlier_factors, args.outlier_alphas)
     print(f"\nprepare {prepare_s:.1f} s; calibration {calibrate_s:.1f} s wall on {len(data.calibration)} windows "
           f"(torch {torch.get_num_threads()} threads)")
     print(*summary(fp32, rows), sep="\n")

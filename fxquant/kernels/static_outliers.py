@@ -58,15 +58,18 @@ def static_bias(weight_sums: torch.Tensor, weight_scale: torch.Tensor, bias: tor
 
 
 def static_outliers_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                           bias: torch.Tensor | None, fitted_bias: torch.Tensor, scale: float,
-                           zero_point: int) -> torch.Tensor:
-    """``x`` (..., in_features) float times int8 ``weight`` (out_features, in_features) with float32 per-output
-    ``weight_scale``, plus ``bias``; ``(scale, zero_point)`` the calibrated uint8 input range and ``fitted_bias``
-    its :func:`static_bias`. Float in, float out (see the module docstring)."""
+                           bias: torch.Tensor | None, fitted_bias: torch.Tensor, scale: float, zero_point: int,
+                           input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x * input_scale`` (``x`` alone without SmoothQuant's float32 ``input_scale``, one per input), ``x`` (...,
+    in_features) float, times int8 ``weight`` (out_features, in_features) with float32 per-output ``weight_scale``,
+    plus ``bias``; ``(scale, zero_point)`` the calibrated uint8 range of the (scaled) input and ``fitted_bias`` its
+    :func:`static_bias`. Float in, float out (see the module docstring)."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features:
         raise ValueError(f"static_outliers_linear: input of shape {tuple(x.shape)} for {in_features} input features")
     rows = x.reshape(-1, in_features).to(torch.float32)
+    if input_scale is not None:
+        rows = rows * input_scale
     q, outliers, own = quantize_static_rows(rows, scale, zero_point)
     acc = int8_sums(q, weight)
     out = rescaled(acc, torch.full((rows.shape[0], 1), scale), weight_scale, fitted_bias)

@@ -197,14 +197,13 @@ class StaticOutliersInt8Linear(DynamicInt8Linear):
                                                         *self._range()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_scale is not None:
-            raise RuntimeError("StaticOutliersInt8Linear: SmoothQuant scales are not supported on this scheme")
-        return static_outliers_linear(x, self.qweight, self.weight_scale, self.bias, self.fitted_bias,
-                                      *self._range())
+        b = self.buffer
+        return static_outliers_linear(x, b("qweight"), b("weight_scale"), b("bias"), b("fitted_bias"), *self._range(),
+                                      input_scale=b("input_scale"))
 
     def extra_repr(self) -> str:
         scale, zero_point = self._range()
-        return f"{super().extra_repr()}, input_scale={scale:.4g}, zero_point={zero_point}"
+        return f"{super().extra_repr()}, range_scale={scale:.4g}, zero_point={zero_point}"
 
 
 class WeightOnlyInt8Linear(SchemeLinear):

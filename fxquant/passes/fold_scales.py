@@ -12,6 +12,7 @@ from collections import Counter
 
 from torch import fx, nn
 
+from fxquant.nn.fused import Fused
 from fxquant.nn.schemes import SchemeLinear
 from fxquant.passes._graph import finish, modules_of, nodes_of
 from fxquant.passes.keep_float import float_barrier
@@ -39,15 +40,21 @@ def fold_channel_scales(gm: fx.GraphModule) -> fx.GraphModule:
         if layers is None or any(calls[str(layer.target)] != 1 for layer in layers):
             continue  # a layer called twice would take the scale into its other calls too
         for layer in layers:
-            modules[str(layer.target)].input_scale = scale.scale  # type: ignore[union-attr]
+            _scheme_layer(modules.get(str(layer.target))).input_scale = scale.scale  # type: ignore[union-attr]
         node.replace_all_uses_with(node.all_input_nodes[0])
         changed = True
     return finish(gm) if changed else gm
 
 
+def _scheme_layer(module: nn.Module | None) -> SchemeLinear | None:
+    """``module`` if it is a SchemeLinear, the one inside it if it is one fused with its activation, else None."""
+    inner = module.inner if isinstance(module, Fused) else module
+    return inner if isinstance(inner, SchemeLinear) else None
+
+
 def _scheme_readers(node: fx.Node, modules: dict[str, nn.Module]) -> list[fx.Node] | None:
-    """The nodes reading ``node``'s value if every one calls a SchemeLinear without an ``input_scale`` on it alone;
-    else None."""
+    """The nodes reading ``node``'s value if every one calls a SchemeLinear (maybe fused with its activation) without
+    an ``input_scale`` on it alone; else None."""
     layers = [user for user in node.users if user.op == "call_module" and len(user.all_input_nodes) == 1
-              and isinstance(layer := modules.get(str(user.target)), SchemeLinear) and layer.input_scale is None]
+              and (layer := _scheme_layer(modules.get(str(user.target)))) is not None and layer.input_scale is None]
     return layers if layers and len(layers) == len(node.users) else None

@@ -64,6 +64,8 @@ from fxquant.passes.smoothquant_auto import (
     smoothing_scales,
 )
 from fxquant.passes.smoothquant_divide import ChannelScale, divide_activation
+from fxquant.passes.token_ranges import SCHEME as OUTLIERS_SCHEME
+from fxquant.passes.token_ranges import TOKEN_RANGE, TokenRangeObserver
 from fxquant.state import STATE_KEY
 
 log = logging.getLogger(__name__)
@@ -124,11 +126,19 @@ def _linear(gm: fx.GraphModule, node: fx.Node) -> nn.Linear:
     return layer
 
 
+def _outliers_layer(node: fx.Node) -> bool:
+    """A Linear on the ``static_outliers`` scheme: float in and out, its input range calibrated per token."""
+    settings = node.meta.get(LAYER_SETTINGS)
+    return settings is not None and settings.scheme == OUTLIERS_SCHEME and not settings.quantize
+
+
 def _smoothable(gm: fx.GraphModule, node: fx.Node) -> bool:
-    """A quantized Linear (maybe fused with its activation) with a tensor input and an observed output."""
+    """A Linear (maybe fused with its activation) with a tensor input, quantized with an observed output or on the
+    ``static_outliers`` scheme."""
     module = module_of(gm, node)
-    return (module is not None and isinstance(compute_module(module), nn.Linear) and is_quantized_layer(node)
-            and tensor_input(node) is not None and is_activation_observer(gm, only_user(node)))
+    if module is None or not isinstance(compute_module(module), nn.Linear) or tensor_input(node) is None:
+        return False
+    return _outliers_layer(node) or (is_quantized_layer(node) and is_activation_observer(gm, only_user(node)))
 
 
 def insert_smoothing_observers(gm: fx.GraphModule, config: QuantConfig, prefix: str = "") -> fx.GraphModule:
@@ -155,17 +165,6 @@ def insert_smoothing_observers(gm: fx.GraphModule, config: QuantConfig, prefix: 
     return finish(gm)
 
 
-def _ranged_observer(statistics: ChannelRangeObserver, scales: torch.Tensor, label: str) -> MinMaxObserver:
-    """A ``minmax`` observer holding the exact range of the smoothed value, from the per-channel statistics."""
-    observer = MinMaxObserver()
-    observer.min_val.copy_((statistics.channel_min / scales).min())
-    observer.max_val.copy_((statistics.channel_max / scales).max())
-    observer.num_updates.copy_(statistics.num_updates)
-    observer.num_elements.copy_(statistics.num_elements)
-    observer.label = label
-    return observer
-
-
 def _resolve_alpha(statistics: ChannelRangeObserver, weights: list[torch.Tensor], layer_nodes: list[fx.Node],
                    alpha: float | str) -> tuple[float | None, dict[float | None, float]]:
     """The configured alpha, or for ``"auto"`` the group's best candidate on its sampled rows."""
@@ -177,7 +176,8 @@ def _resolve_alpha(statistics: ChannelRangeObserver, weights: list[torch.Tensor]
         log.warning("SmoothQuant auto: %s saw only %d input rows, too few to choose an alpha; left unsmoothed",
                     statistics.label, rows.shape[0])
         return None, {}
-    return choose_alpha(rows, list(zip(weights, schemes, strict=True)))
+    return choose_alpha(rows, list(zip(weights, schemes, strict=True)),
+                        outlier_tokens=all(_outliers_layer(n) for n in layer_nodes))
 
 
 @torch.no_grad()
@@ -206,7 +206,12 @@ def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver,
         module = module_of(gm, user)
         if isinstance(module, InputMeanObserver):
             module.rescale_channels(1.0 / scales)
-    observer = _ranged_observer(statistics, scales, f"input of {names} (smoothed)")
+    for layer_node in layer_nodes:  # so did a static_outliers layer's token ranges
+        token_range = layer_node.meta.get(TOKEN_RANGE)
+        if isinstance(token_range, TokenRangeObserver):
+            token_range.smooth(1.0 / scales)
+    observer = None if all(_outliers_layer(n) for n in layer_nodes) else MinMaxObserver.over_channels(
+        statistics.channel_min / scales, statistics.channel_max / scales, statistics, f"input of {names} (smoothed)")
     divide_activation(gm, node, scales, observer)
     return choice
 

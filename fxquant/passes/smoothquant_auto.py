@@ -13,7 +13,10 @@ observer statistics. At convert, each candidate (no smoothing, then every alpha 
 the sampled rows as convert would: the smoothed value per tensor on uint8 over the range recomputed from the *full*
 per-channel statistics, every weight ``W * s`` with its layer's int8 weight scheme. The candidate with the smallest
 mean relative output error ``||Q(X/s) Q(W s)^T - X W^T||^2 / ||X W^T||^2`` over the group's layers wins (ties go to
-the earlier candidate: no smoothing, then the smaller alpha). The choice assumes 8-bit activations; a backend using
+the earlier candidate: no smoothing, then the smaller alpha). For a group of ``static_outliers`` Linears
+(``outlier_tokens=True``) the candidates are simulated as that scheme runs: the range spans the calibration half's
+ordinary tokens (:func:`~fxquant.passes.token_ranges.ordinary_rows`), and a new row outside it is quantized
+symmetrically with its own scale. The choice assumes 8-bit activations; a backend using
 7-bit ones (fbgemm without VNNI) would favour slightly more smoothing. Output rounding is left out: smoothing does not
 change a Linear's float output, so it costs every candidate about the same.
 """
@@ -28,7 +31,8 @@ import torch
 from torch import fx, nn
 
 from fxquant.observers.registry import get_weight_observer
-from fxquant.qparams import affine_qparams, fake_quantize
+from fxquant.passes.token_ranges import ordinary_rows
+from fxquant.qparams import QParams, affine_qparams, fake_quantize
 
 AUTO = "auto"
 AUTO_ALPHAS: tuple[float, ...] = tuple(round(0.1 + 0.05 * i, 2) for i in range(17))  # 0.1, 0.15, ..., 0.9
@@ -87,14 +91,27 @@ def _fake_quant_weight(weight: torch.Tensor, scheme: str) -> torch.Tensor:
     return fake_quantize(weight, get_weight_observer(scheme)().qparams(weight))
 
 
+def _outliers_fake_quant(rows: torch.Tensor, qp: QParams) -> torch.Tensor:
+    """``rows`` as the ``static_outliers`` scheme computes them: a row within ``qp``'s range on it, any other row
+    symmetrically on [-127, 127] with its own scale."""
+    low, high = (qp.qmin - qp.zero_point) * qp.scale, (qp.qmax - qp.zero_point) * qp.scale
+    fits = (rows.amin(dim=1) >= low) & (rows.amax(dim=1) <= high)
+    own = rows.abs().amax(dim=1, keepdim=True).div(127.0).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.where(fits[:, None], fake_quantize(rows, qp), torch.round(rows / own).clamp(-127, 127) * own)
+
+
 def _fold_error(calibration: torch.Tensor, new: torch.Tensor, layers: Sequence[tuple[torch.Tensor, str]],
-                alpha: float | None) -> list[float]:
+                alpha: float | None, outlier_tokens: bool) -> list[float]:
     """Each layer's relative output error on ``new`` rows when ``calibration`` rows set the scales and the range."""
     act_absmax = calibration.abs().amax(dim=0)
     weight_absmax = torch.stack([w.abs().amax(dim=0) for w, _ in layers]).amax(dim=0)
     scales = torch.ones_like(act_absmax) if alpha is None else smoothing_scales(act_absmax, weight_absmax, alpha)
-    smoothed = calibration / scales
-    x_hat = fake_quantize(new / scales, affine_qparams(smoothed.min(), smoothed.max()))
+    if outlier_tokens:
+        ranged = calibration[ordinary_rows(calibration)] / scales
+        x_hat = _outliers_fake_quant(new / scales, affine_qparams(ranged.min(), ranged.max()))
+    else:
+        smoothed = calibration / scales
+        x_hat = fake_quantize(new / scales, affine_qparams(smoothed.min(), smoothed.max()))
     errors = []
     for weight, scheme in layers:
         reference = new @ weight.T
@@ -104,23 +121,27 @@ def _fold_error(calibration: torch.Tensor, new: torch.Tensor, layers: Sequence[t
     return errors
 
 
-def candidate_error(rows: torch.Tensor, layers: Sequence[tuple[torch.Tensor, str]], alpha: float | None) -> float:
+def candidate_error(rows: torch.Tensor, layers: Sequence[tuple[torch.Tensor, str]], alpha: float | None, *,
+                    outlier_tokens: bool = False) -> float:
     """Held-out mean relative output error of the group's layers when their input is smoothed with ``alpha``.
 
     ``layers`` holds each weight with its weight scheme (``"per_channel"``/``"per_tensor"``); ``alpha=None`` is no
     smoothing. Two-fold: one half of ``rows`` plays the calibration data (its scales ``s`` and its per-tensor range),
     the other the new data, and back. Evaluated on the rows that set the range, an alpha that brings every channel to
     the range's edge looks free; on new data those channels clip (docs/accuracy.md, "Automatic per-layer alpha",
-    measures the in-sample and the two-fold choice on new rows).
+    measures the in-sample and the two-fold choice on new rows). ``outlier_tokens``: the layers run the
+    ``static_outliers`` scheme (see the module docstring).
     """
     half = rows.shape[0] // 2
-    errors = _fold_error(rows[:half], rows[half:], layers, alpha) + _fold_error(rows[half:], rows[:half], layers, alpha)
+    errors = [*_fold_error(rows[:half], rows[half:], layers, alpha, outlier_tokens),
+              *_fold_error(rows[half:], rows[:half], layers, alpha, outlier_tokens)]
     return sum(errors) / len(errors)
 
 
 @torch.no_grad()
 def choose_alpha(rows: torch.Tensor, layers: Sequence[tuple[torch.Tensor, str]],
-                 alphas: Sequence[float] = AUTO_ALPHAS) -> tuple[float | None, dict[float | None, float]]:
+                 alphas: Sequence[float] = AUTO_ALPHAS, *,
+                 outlier_tokens: bool = False) -> tuple[float | None, dict[float | None, float]]:
     """The candidate (``None`` = no smoothing, or an alpha) with the smallest :func:`candidate_error`, and all errors.
 
     Example (one Linear, rows with an outlier channel)::
@@ -129,7 +150,7 @@ def choose_alpha(rows: torch.Tensor, layers: Sequence[tuple[torch.Tensor, str]],
         alpha, errors = choose_alpha(x, [(torch.randn(8, 16), "per_channel")])
     """
     candidates: tuple[float | None, ...] = (None, *alphas)
-    errors = {alpha: candidate_error(rows, layers, alpha) for alpha in candidates}
+    errors = {alpha: candidate_error(rows, layers, alpha, outlier_tokens=outlier_tokens) for alpha in candidates}
     finite = {key: value for key, value in errors.items() if math.isfinite(value)}
     best = min(finite, key=lambda key: finite[key]) if finite else None
     return best, errors

@@ -54,23 +54,33 @@ def _fold_into(module: nn.Module, inverse: torch.Tensor) -> bool:
     return False
 
 
-def _fold(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Tensor, observer: MinMaxObserver) -> bool:
-    """Fold 1/s into the producer of the observed value when the smoothed layers are its only readers."""
+def _fold(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Tensor, observer: MinMaxObserver | None) -> bool:
+    """Fold 1/s into the producer of the observed value (of the value itself where ``observer`` is None: float-in
+    readers) when the smoothed layers are its only readers."""
     key = statistics_node.args[0]
-    if not isinstance(key, fx.Node) or not is_activation_observer(gm, key) or set(key.users) != {statistics_node}:
+    if not isinstance(key, fx.Node):
         return False
-    producer = key.args[0]
-    if not isinstance(producer, fx.Node) or set(producer.users) != {key} or producer.op != "call_module":
+    if observer is None:
+        producer = key
+    elif is_activation_observer(gm, key) and set(key.users) == {statistics_node}:
+        producer = key.args[0]  # type: ignore[assignment]
+    else:
+        return False
+    readers = {statistics_node} if observer is None else {key}
+    if not isinstance(producer, fx.Node) or set(producer.users) != readers or producer.op != "call_module":
         return False
     if not _fold_into(gm.get_submodule(str(producer.target)), 1.0 / scales):
         return False
-    observer.label = getattr(gm.get_submodule(str(key.target)), "label", observer.label)
-    replace_submodule(gm, str(key.target), observer)
+    if observer is not None:
+        observer.label = getattr(gm.get_submodule(str(key.target)), "label", observer.label)
+        replace_submodule(gm, str(key.target), observer)
     return True
 
 
-def _insert_scale(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Tensor, observer: Observer) -> None:
-    """``value -> ChannelScale(1/s) -> observer -> layers`` (reading the float value behind an input observer)."""
+def _insert_scale(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Tensor,
+                  observer: Observer | None) -> None:
+    """``value -> ChannelScale(1/s) -> observer -> layers`` (reading the float value behind an input observer);
+    without ``observer`` (float-in readers), ``value -> ChannelScale(1/s) -> layers``."""
     source = statistics_node.args[0]
     assert isinstance(source, fx.Node)
     if is_activation_observer(gm, source) and not absorbed_by_producer(gm, source):
@@ -78,17 +88,19 @@ def _insert_scale(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Te
         assert isinstance(source, fx.Node)
     scale_name = unique_name(gm, "smoothquant_scale_")
     gm.add_submodule(scale_name, ChannelScale(1.0 / scales))
-    observer_name = unique_name(gm, "smoothquant_observer_")
-    gm.add_submodule(observer_name, observer)
     with gm.graph.inserting_before(statistics_node):
-        scaled = gm.graph.call_module(scale_name, (source,))
-        observed = gm.graph.call_module(observer_name, (scaled,))
-    statistics_node.replace_all_uses_with(observed)
+        result = gm.graph.call_module(scale_name, (source,))
+        if observer is not None:
+            observer_name = unique_name(gm, "smoothquant_observer_")
+            gm.add_submodule(observer_name, observer)
+            result = gm.graph.call_module(observer_name, (result,))
+    statistics_node.replace_all_uses_with(result)
 
 
 def divide_activation(gm: fx.GraphModule, statistics_node: fx.Node, scales: torch.Tensor,
-                      observer: MinMaxObserver) -> None:
-    """Divide the value read through ``statistics_node`` by ``scales`` for its readers, quantized by ``observer``:
-    folded into the producer where it can be, else an explicit :class:`ChannelScale` (in place)."""
+                      observer: MinMaxObserver | None) -> None:
+    """Divide the value read through ``statistics_node`` by ``scales`` for its readers, quantized by ``observer``
+    (None: the readers take float, as the ``static_outliers`` Linears do): folded into the producer where it can
+    be, else an explicit :class:`ChannelScale` (in place)."""
     if not _fold(gm, statistics_node, scales, observer):
         _insert_scale(gm, statistics_node, scales, observer)
