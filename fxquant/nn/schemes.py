@@ -54,6 +54,7 @@ class SchemeLinear(nn.Module):
         self.register_buffer("weight_scale", w_qp.scale.float().expand(self.out_features).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self.register_buffer("input_scale", None)
+        self.meta: dict[str, Any] = {}  # what passes record about the layer, as a GraphModule's meta (SmoothQuant's)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, weight: str) -> SchemeLinear:

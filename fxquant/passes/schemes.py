@@ -23,6 +23,7 @@ from fxquant.nn.island import SURFACE_KEY, Island, Surface
 from fxquant.nn.schemes import SCHEME_MODULES, SchemeLinear, StaticOutliersInt8Linear
 from fxquant.passes._graph import modules_of, nodes_of, replace_submodule
 from fxquant.passes.meta import LAYER_SETTINGS
+from fxquant.passes.smoothquant_auto import SMOOTHQUANT_KEY
 from fxquant.passes.token_ranges import TOKEN_RANGE
 
 
@@ -87,6 +88,8 @@ def unwrap_layer_islands(model: nn.Module) -> nn.Module:
         if isinstance(surface, Surface) and surface.layer is not None and not surface.transposed:
             bare = _bare_layer(island, surface.layer)
             if bare is not None:
+                if SMOOTHQUANT_KEY in island.meta:  # what SmoothQuant did there stays readable (smoothing_choices)
+                    bare.meta = {SMOOTHQUANT_KEY: island.meta[SMOOTHQUANT_KEY]}
                 replace_submodule(model, path, bare)  # type: ignore[arg-type]
     return model
 

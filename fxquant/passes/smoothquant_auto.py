@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from fxquant.observers.registry import get_weight_observer
 from fxquant.passes.token_ranges import ordinary_rows
@@ -156,10 +157,13 @@ def choose_alpha(rows: torch.Tensor, layers: Sequence[tuple[torch.Tensor, str]],
     return best, errors
 
 
-def _graph_modules(model: nn.Module) -> Iterator[fx.GraphModule]:
+def _metas(model: nn.Module) -> Iterator[dict[str, Any]]:
+    """The ``meta`` of every GraphModule in ``model``, and of every INT8 Linear taken out of its island (which
+    brought its island's along: :func:`~fxquant.passes.schemes.unwrap_layer_islands`)."""
     for module in model.modules():
-        if isinstance(module, fx.GraphModule):
-            yield module
+        meta = getattr(module, "meta", None)
+        if isinstance(meta, dict):
+            yield meta
 
 
 def smoothing_choices(model: nn.Module) -> dict[str, SmoothingChoice]:
@@ -172,8 +176,8 @@ def smoothing_choices(model: nn.Module) -> dict[str, SmoothingChoice]:
         print(smoothquant_alphas(qmodel))   # {'fc2': 0.55, 'q': None, ...}
     """
     choices: dict[str, SmoothingChoice] = {}
-    for graph in _graph_modules(model):
-        choices.update(graph.meta.get(SMOOTHQUANT_KEY, {}))
+    for meta in _metas(model):
+        choices.update(meta.get(SMOOTHQUANT_KEY, {}))
     return dict(sorted(choices.items()))
 
 

@@ -257,3 +257,20 @@ def test_a_layer_whose_token_ranges_saw_nothing_stays_float_with_a_warning(caplo
         qmodel = fxquant.convert(prepared)
     assert [type(_layer(qmodel, p)) for p in PATHS] == [StaticOutliersInt8Linear] * 2 + [nn.Linear]
     assert any("input of 4 saw no calibration data" in r.getMessage() for r in caplog.records)
+
+
+def test_every_smoothed_layer_of_a_decoder_reports_its_alpha() -> None:
+    """A decoder's attention Linears are islands of one layer each, unwrapped at convert: what SmoothQuant chose
+    for them must stay readable (smoothquant_alphas), as it does for the layers still inside a graph."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    windows = [torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    prepared = fxquant.prepare(model, (windows[0],), QuantConfig(scheme="static_outliers", smoothquant_alpha=0.5))
+    fxquant.calibrate(prepared, windows, progress=False)
+    qmodel = fxquant.convert(prepared)
+    layers = {path for path, m in qmodel.named_modules() if isinstance(m, StaticOutliersInt8Linear)}
+    assert len(layers) == 2 * 7 + 1  # q, k, v, o, gate, up, down of each layer, and the head
+    assert smoothquant_alphas(qmodel) == dict.fromkeys(sorted(layers), 0.5)
