@@ -26,6 +26,9 @@ from kernel_contract_cases import (
 )
 
 from fxquant.kernels.base import ConvSpec
+from fxquant.kernels.onednn import calls
+from fxquant.kernels.onednn import direct as onednn_direct
+from fxquant.kernels.onednn.weights import operands, pack_linear
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.native.isa import cpu_model, has_amx_int8, isa_level
 from fxquant.qparams import QParams
@@ -57,6 +60,24 @@ def test_qlinear_pointwise_takes_the_real_output_scale() -> None:
 
     assert steps((raw(0.07).float() - 20) * 0.07, want, out_qp) <= 1
     assert steps((raw(1 / 0.07).float() - 20) * 0.07, want, out_qp) > 1
+
+
+def test_a_linear_packs_the_ops_copy_only_when_a_call_needs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fxquant's primitives a Linear holds its int8 weight once; a call on the torch op (as past the bound-call
+    cache) packs the op's copy then, and gets the op's result on a weight packed at once."""
+    if not onednn_direct.available():
+        pytest.skip("fxquant's oneDNN primitives are off here: the op's copy is packed at convert")
+    layer = make_layer((6, 16), (5, 16), qrange=activation_range("onednn"), per_channel=True, bias=True, seed=1)
+    w = pack_linear(layer.q_w, layer.w_qp, layer.bias, layer.in_qp)
+    assert w.packed is None and w.plain is not None
+    monkeypatch.setattr(calls, "direct_weight", lambda weight: None)  # the op, as for a call past the cache
+    got = calls.bind_linear(w, tuple(layer.q_x.shape), layer.in_qp, (1.0, 0, torch.float32), "none", None)(layer.q_x)
+    assert w.packed is not None
+    x_scale, x_zp, bias = operands(w, layer.in_qp)  # the call's (its input zero point folded into the bias)
+    eager = torch.ops.onednn.qlinear_pointwise(
+        layer.q_x, x_scale, x_zp, torch.ops.onednn.qlinear_prepack(layer.q_w, None), w.scale, w.zero_point, bias,
+        1.0, 0, torch.float32, "none", [], "")
+    assert torch.equal(got, eager)
 
 
 DEPTH_ONE_KERNELS = [(2, 2, 2), (3, 3, 3)]

@@ -80,7 +80,7 @@ def bind_linear(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output:
     if direct:
         return clamped(direct, clamp_bounds(None, within))
     attr, algorithm = POST_OPS[post_op]
-    args: tuple[Any, ...] = (x_scale, x_zp, w.packed, w.scale, w.zero_point, bias, *output, attr, [], algorithm)
+    args: tuple[Any, ...] = (x_scale, x_zp, w.op_weight(), w.scale, w.zero_point, bias, *output, attr, [], algorithm)
     return finish(torch.ops.onednn.qlinear_pointwise, args, clamp_bounds(None, within))
 
 

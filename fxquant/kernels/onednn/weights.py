@@ -2,7 +2,9 @@
 
 Packing happens once, at convert: the torch ops' own packed weight (``onednn::qlinear_prepack`` /
 ``qconv_prepack``), the plain int8 weight for fxquant's own primitives (:mod:`fxquant.kernels.onednn.direct`), and,
-where it is exact, the input zero point folded into a float bias. Everything a call does besides running its kernel
+where it is exact, the input zero point folded into a float bias. A Linear that has the plain weight packs the
+ops' copy only when a call first needs it (:meth:`OnednnWeight.op_weight`): fxquant's primitives run its calls, so
+that copy would only double its int8 bytes. Everything a call does besides running its kernel
 depends only on the input's shape, the thread count and the layer's qparams, so it is decided once per such key and
 kept on the weight (:func:`bound`); what that saves is measured in ``docs/backends.md`` ("What else the backend does").
 """
@@ -36,7 +38,7 @@ class OnednnWeight:
     packing (docs/backends.md, "What else the backend does").
     """
 
-    packed: torch.Tensor
+    packed: torch.Tensor | None  # the ops' packed weight; None until op_weight() packs a Linear's from ``plain``
     scale: torch.Tensor
     zero_point: torch.Tensor
     bias: torch.Tensor | None
@@ -59,6 +61,15 @@ class OnednnWeight:
         # (with the same reordered weights where the layouts match).
         return replace(self, calls={}, shared=list(self.shared))
 
+    def op_weight(self) -> torch.Tensor:
+        """The weight packed for the torch ops (``onednn::qlinear_prepack`` for a Linear, packed from ``plain`` on
+        first use)."""
+        if self.packed is None:
+            assert self.plain is not None, "a Linear weight packs lazily only from its plain copy"
+            object.__setattr__(self, "packed", torch.ops.onednn.qlinear_prepack(self.plain, None))
+            assert self.packed is not None
+        return self.packed
+
     def for_input(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The weight packed for inputs of ``shape`` at the current thread count (packed on first use), or the
         generic one past the limit."""
@@ -66,7 +77,7 @@ class OnednnWeight:
         packed = self.by_shape.get(key)
         if packed is None:
             if self.repack is None or len(self.by_shape) >= SHAPES_PER_WEIGHT:
-                return self.packed
+                return self.op_weight()
             packed = self.by_shape[key] = self.repack(list(shape))
         return packed
 
@@ -77,8 +88,9 @@ def pack_linear(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
 
     The input shape is only a layout hint to the op; None packs for any batch. The input zero point is folded into
     the bias where that is exact, as for unpadded convs (``pack_conv``): the op runs faster without a zero point.
+    With fxquant's primitives the op's copy is packed when a call first needs it (:meth:`OnednnWeight.op_weight`).
     """
-    packed = torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
+    packed = None if onednn_direct.available() else torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
     return _onednn_weight(weight, w_qp, bias, packed, folded=_foldable(weight, in_qp))
 
 
@@ -108,7 +120,7 @@ def pack_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, sp
     return _onednn_weight(weight, w_qp, bias, pack(None), spec, pack, height_one, folded)
 
 
-def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, packed: torch.Tensor,
+def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, packed: torch.Tensor | None,
                    spec: ConvSpec | None = None, repack: Callable[[list[int]], torch.Tensor] | None = None,
                    height_one: bool = False, folded: tuple[float, int] | None = None) -> OnednnWeight:
     """``folded``: the input (scale, zero point) to fold into a bias: ``layer(q - z) = layer(q) - z * sum(w)``."""

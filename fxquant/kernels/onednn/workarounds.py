@@ -94,7 +94,7 @@ def padded_conv(a: torch.Tensor, w: OnednnWeight, in_qp: QParams, output: Output
     a, padding, one_column = safe_input(a, w, x_zp)
     attr, algorithm, clamp_after = conv_post_op(post_op, spec.dim)
     out = torch.ops.onednn.qconv_pointwise(
-        a, x_scale, x_zp, w.packed, w.scale, w.zero_point, bias, list(spec.stride), padding,
+        a, x_scale, x_zp, w.op_weight(), w.scale, w.zero_point, bias, list(spec.stride), padding,
         list(spec.dilation), spec.groups, *output, attr, [], algorithm,
     )
     clamp = clamp_bounds(output[1] if clamp_after else None, within)
