@@ -41,12 +41,13 @@ from fxquant.passes.islands import (
 from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.passes.pipeline import prepare_graph
 from fxquant.passes.schemes import lower_schemes, scheme_layers, unwrap_layer_islands
+from fxquant.passes.tied_embeddings import share_tied_embeddings, tied_heads
 from fxquant.passes.token_ranges import attach_token_ranges
 from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
 from fxquant.runtime import runner
 from fxquant.runtime.auto_backend import FAMILIES, convert_auto, family_of, relower_layers
 from fxquant.runtime.hf_attention import attention_for_backend
-from fxquant.state import NONE, STATE_KEY, InputSpec, QuantState, drop_in, quant_state, update_state
+from fxquant.state import NONE, STATE_KEY, WRAPPED, InputSpec, QuantState, drop_in, quant_state, update_state
 from fxquant.tracing import GraphBreak, trace, trace_partially, user_location
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,9 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
     calibrating again: the accuracy-budget search converts one calibrated model many ways with it. ``schemes`` (pattern
     -> ``"dynamic"``, ``"dynamic_group"`` or ``"weight_only"``, the first matching pattern winning) runs the matching
     Linears on that scheme instead, also without calibrating again: ``schemes={"*down_proj": "weight_only"}``.
-    SmoothQuant and bias correction are applied here (see :func:`apply_statistics`).
+    SmoothQuant and bias correction are applied here (see :func:`apply_statistics`). An input embedding tied to a
+    head that became a scheme Linear (``tie_word_embeddings``) reads the head's int8 rows instead of keeping a float
+    copy of its weight (:mod:`fxquant.passes.tied_embeddings`); a ``keep_float`` pattern matching it keeps it float.
 
     ``backend="auto"`` measures the available kernels on this CPU on each layer's real shapes (see
     :mod:`fxquant.runtime.auto_backend`); ``fxquant.coverage`` shows the backend each layer got. The fastest kernel
@@ -283,6 +286,7 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
             raise InputError(f"convert({option}=...) is for backend='auto'; the backend here is {name!r}. Drop "
                              f"{option}, or pass backend='auto'.")
     final = apply_statistics(prepared, keep_float=keep_float, schemes=schemes)
+    unsmoothed = tied_heads(final)  # before lowering: SmoothQuant gave a smoothed tied head a weight of its own
     choices: dict[str, str] = {}
     if name != "auto":
         gm = _lower(final, state.config, name)
@@ -290,6 +294,8 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
         gm, choices = _replay_auto(final, state, dict(layer_backends))
     else:
         gm, choices = _convert_auto(final, state, example_inputs)
+    share_tied_embeddings(gm, tied_heads(prepared), unsmoothed, keep_float=keep_float,
+                          prefix=f"{WRAPPED}." if state.wrapped else "")
     statistics = {f"{name}.{key}": value.detach().clone()  # nested island observers too (fxquant.save needs all)
                   for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -72,8 +75,31 @@ def drop_in(gm: nn.Module) -> nn.Module:
     if not quant_state(gm).wrapped:
         return gm
     model = gm.get_submodule(WRAPPED)
-    model.__dict__[GRAPH_KEY] = gm
+    _link(model, gm)
     return model
+
+
+def _link(model: nn.Module, gm: nn.Module) -> None:
+    model.__dict__[GRAPH_KEY] = gm
+    model.__dict__["__deepcopy__"] = functools.partial(_deepcopy_drop_in, model)  # copy.deepcopy looks it up here
+
+
+def _deepcopy_drop_in(model: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """``copy.deepcopy`` of a drop-in model: the model and ``gm`` hold each other, and a GraphModule copied while
+    the model's copy is still empty cannot be built. So the model is copied without the link, as ``gm``'s
+    submodule (or on its own when the copy started at ``gm``), and the copies are linked after."""
+    gm = model.__dict__.pop(GRAPH_KEY)
+    hook = model.__dict__.pop("__deepcopy__")
+    try:
+        if id(gm) in memo:  # copy.deepcopy(gm): its copy is being built around this one
+            new, new_gm = copy.deepcopy(model, memo), memo[id(gm)]
+        else:
+            new_gm = copy.deepcopy(gm, memo)
+            new = new_gm.get_submodule(WRAPPED)
+    finally:
+        model.__dict__[GRAPH_KEY], model.__dict__["__deepcopy__"] = gm, hook
+    _link(new, new_gm)
+    return new
 
 
 def quant_state(gm: nn.Module) -> QuantState:

@@ -13,9 +13,10 @@ disjoint modules (:mod:`fxquant.models.corpus`). fxquant calibrates once with st
 default ``"auto"`` gives a decoder dynamic per-group layers, which have no ranges to keep float) on consecutive
 calibration windows; every INT8 row converts that one calibration (``keep_float`` keeps the matching layers float).
 The uncalibrated scheme rows follow: ``scheme="dynamic"`` (per-token) and ``"dynamic_group"`` at each ``--groups``
-size (``fxquant.kernels.per_group.GROUP``, set for the row), then ``scheme="static_outliers"`` calibrated at each
-``--outlier-factors`` value (``fxquant.passes.token_ranges.OUTLIER_FACTOR``, set for the row) and SmoothQuant
-``--outlier-alphas`` value (``smoothquant_alpha``). Perplexity is exp of
+size (``fxquant.kernels.per_group.GROUP``, set for the row) and with the tied input embedding kept float, then
+``scheme="static_outliers"`` calibrated at each ``--outlier-factors`` value
+(``fxquant.passes.token_ranges.OUTLIER_FACTOR``, set for the row) and SmoothQuant ``--outlier-alphas`` value
+(``smoothquant_alpha``). Perplexity is exp of
 the mean next-token cross entropy over every position of the evaluation windows.
 
     python scripts/eval_llm_perplexity.py --evaluation-windows 6 --groups 64,128,256
@@ -122,13 +123,18 @@ def setting(module: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def scheme_rows(model: torch.nn.Module, data: Data, groups: Sequence[int]) -> dict[str, Row]:
-    """The uncalibrated schemes: per-token dynamic, and per-group dynamic at each group size."""
-    cases = [("fxquant scheme='dynamic' (per token)", "dynamic", per_group.GROUP)]
-    cases += [(f"fxquant scheme='dynamic_group', {group} inputs per scale", "dynamic_group", group) for group in groups]
+    """The uncalibrated schemes: per-token dynamic, per-group dynamic at each group size, and per-group with the
+    tied input embedding kept float (by default it reads lm_head's int8 rows: fxquant.passes.tied_embeddings)."""
+    cases = [("fxquant scheme='dynamic' (per token)", "dynamic", per_group.GROUP, [])]
+    cases += [(f"fxquant scheme='dynamic_group', {group} inputs per scale", "dynamic_group", group, [])
+              for group in groups]
+    cases += [("fxquant scheme='dynamic_group', keep_float=['*embed_tokens'] (float embedding)", "dynamic_group",
+               per_group.GROUP, ["*embed_tokens"])]
     rows = {}
-    for label, scheme, group in cases:
+    for label, scheme, group, keep_float in cases:
         with setting(per_group, "GROUP", group):
-            qmodel = fxquant.convert(fxquant.prepare(model, (data.calibration[0],), fxquant.QuantConfig(scheme=scheme)))
+            prepared = fxquant.prepare(model, (data.calibration[0],), fxquant.QuantConfig(scheme=scheme))
+            qmodel = fxquant.convert(prepared, keep_float=keep_float)
         rows[label] = measure(label, qmodel, data.evaluation)
         del qmodel
     return rows

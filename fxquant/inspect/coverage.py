@@ -2,8 +2,9 @@
 
 Rows: every module whose weight feeds a matmul or convolution (Linear, the convolutions and their subclasses,
 transformers' ``Conv1D``, ``nn.MultiheadAttention``) and every lookup table (``nn.Embedding``: float, no
-multiply-adds). With the example inputs (the ones given to ``prepare``, unless others are passed) each row also
-carries its multiply-adds, and the summary gives the fraction of them that runs INT8.
+multiply-adds; one tied to an INT8 head reads that head's int8 rows). With the example inputs (the ones given to
+``prepare``, unless others are passed) each row also carries its multiply-adds, and the summary gives the fraction
+of them that runs INT8.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fxquant.nn.layers import LOOKUP_TYPES, layer_kind
 from fxquant.nn.quantized import DeQuantize, Quantize, _QuantizedWeighted
 from fxquant.nn.schemes import SchemeLinear
 from fxquant.nn.shared_quantize import SharedQuantize
+from fxquant.nn.tied_embedding import TiedInt8Embedding
 from fxquant.observers import Observer
 from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.state import STATE_KEY, WRAPPED, QuantState, graph_of, quant_state
@@ -176,6 +178,12 @@ def _unreached(gm: fx.GraphModule, seen: set[str], breaks: dict[str, str]) -> li
         kind = layer_kind(module)
         if kind is None or path in seen or isinstance(parent, (Fused, nn.MultiheadAttention)) \
                 or _computed_by_a_child(path, seen):
+            continue
+        if isinstance(module, TiedInt8Embedding):  # the rows of its tied INT8 head's weight
+            head = next(p for p, m in gm.named_modules() if m is module.head)
+            head = head.removeprefix(f"{WRAPPED}.") if wrapped else head
+            rows.append((module, LayerCoverage(path, kind, True, f"lookup in {head}'s int8 weight (tied)",
+                                               backend="int8 rows", scheme=module.head.scheme)))
             continue
         if kind in _LOOKUPS:
             why = "float: lookup (no multiply-adds)"

@@ -61,6 +61,13 @@ def unpack_weights(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     return packed.transpose(1, 2).reshape(blocks * PAD, quads * 4)[:out_features].contiguous()
 
 
+def packed_rows(packed: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:
+    """The int8 weights of the outputs ``outputs`` (1-d indices) from :func:`pack_weights`' layout, without
+    unpacking the rest: (len(outputs), in_features)."""
+    rows = packed[torch.div(outputs, PAD, rounding_mode="floor"), :, outputs % PAD]  # (len(outputs), in / 4, 4)
+    return rows.reshape(outputs.shape[0], packed.shape[1] * 4)
+
+
 def quantize_groups(rows: torch.Tensor, group: int,
                     input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 of 2-d float32 ``rows`` (times ``input_scale`` per column where given), one scale per

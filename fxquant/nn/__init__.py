@@ -26,6 +26,7 @@ from fxquant.nn.schemes import (
     StaticOutliersInt8Linear,
     WeightOnlyInt8Linear,
 )
+from fxquant.nn.tied_embedding import TiedInt8Embedding
 
 __all__ = [
     "DeQuantize",
@@ -49,6 +50,7 @@ __all__ = [
     "QuantizedReLU",
     "SchemeLinear",
     "StaticOutliersInt8Linear",
+    "TiedInt8Embedding",
     "WeightOnlyInt8Linear",
     "add_relu",
 ]

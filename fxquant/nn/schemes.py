@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxquant.kernels.per_group import group_size, pack_weights, per_group_linear, unpack_weights
+from fxquant.kernels.per_group import group_size, pack_weights, packed_rows, per_group_linear, unpack_weights
 from fxquant.kernels.per_token import per_token_linear
 from fxquant.kernels.static_outliers import static_bias, static_outliers_linear
 from fxquant.kernels.weight_only import GROUP, weight_only_linear
@@ -69,11 +69,31 @@ class SchemeLinear(nn.Module):
         """The buffer ``name`` (a tensor, or None where unset), without ``nn.Module.__getattr__``'s lookup."""
         return self._buffers[name]
 
+    def int8_rows(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The int8 weights of the outputs ``outputs`` (1-d indices): (len(outputs), in_features)."""
+        return self.qweight[outputs]
+
     def dequantized_weight(self) -> torch.Tensor:
         """The float weight the layer applies to its (unscaled) input."""
-        qweight = self.int8_weight()
-        scale = self.weight_scale.view(self.out_features, -1, 1)  # one scale per output, or per group of inputs
-        weight = (qweight.view(self.out_features, scale.shape[1], -1).float() * scale).view_as(qweight)
+        return self._dequantized(self.int8_weight(), self.weight_scale)
+
+    def weight_rows(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The rows of :meth:`dequantized_weight` of the outputs ``outputs`` (indices of any shape):
+        (*outputs.shape, in_features) float32, made from those rows alone. A tied input embedding reads its
+        vectors so (:class:`~fxquant.nn.tied_embedding.TiedInt8Embedding`). An index outside ``[0, out_features)``
+        raises ``IndexError`` as ``nn.Embedding`` does (``index_select`` checks, within the op: no host sync, and
+        ``torch.export`` records it)."""
+        flat = outputs.reshape(-1)
+        scales = self.weight_scale.index_select(0, flat)  # first: it rejects what int8_rows would not (padding rows)
+        rows = self._dequantized(self.int8_rows(flat), scales)
+        return rows.view(*outputs.shape, self.in_features)
+
+    def _dequantized(self, qweight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+        """int8 rows times their scales (one per row, or per group of inputs of each row), times ``input_scale``."""
+        groups = self.weight_scale.numel() // self.out_features
+        scale = weight_scale.view(qweight.shape[0], groups, 1)
+        grouped = qweight.view(qweight.shape[0], groups, self.in_features // groups)
+        weight = (grouped.float() * scale).view(qweight.shape)
         return weight if self.input_scale is None else weight * self.input_scale
 
     @property
@@ -149,6 +169,9 @@ class DynamicGroupInt8Linear(SchemeLinear):
 
     def int8_weight(self) -> torch.Tensor:
         return unpack_weights(self.qweight, self.out_features)
+
+    def int8_rows(self, outputs: torch.Tensor) -> torch.Tensor:
+        return packed_rows(self.qweight, outputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = self.buffer

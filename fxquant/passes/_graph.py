@@ -9,7 +9,7 @@ def modules_of(gm: fx.GraphModule) -> dict[str, nn.Module]:
     return dict(gm.named_modules())
 
 
-def replace_submodule(gm: fx.GraphModule, path: str, new: nn.Module) -> None:
+def replace_submodule(gm: nn.Module, path: str, new: nn.Module) -> None:
     """Put ``new`` at ``path`` (a dotted module path), keeping the user's module names."""
     parent_path, _, name = path.rpartition(".")
     parent = gm.get_submodule(parent_path) if parent_path else gm

@@ -90,7 +90,7 @@ def unwrap_layer_islands(model: nn.Module) -> nn.Module:
             if bare is not None:
                 if SMOOTHQUANT_KEY in island.meta:  # what SmoothQuant did there stays readable (smoothing_choices)
                     bare.meta = {SMOOTHQUANT_KEY: island.meta[SMOOTHQUANT_KEY]}
-                replace_submodule(model, path, bare)  # type: ignore[arg-type]
+                replace_submodule(model, path, bare)
     return model
 
 

@@ -1,0 +1,49 @@
+"""An input embedding that reads its vectors from the INT8 output layer it is tied to.
+
+A language model whose ``lm_head`` shares its weight with the input embedding (``tie_word_embeddings``: SmolLM2,
+GPT-2, Gemma, ...) holds that matrix once. Once ``lm_head`` is INT8 the float matrix is still there, kept alive by
+the embedding alone: a float copy of a quantized weight, on SmolLM2 a fifth of the float model's bytes and more
+than every INT8 weight together. :class:`TiedInt8Embedding` takes the embedding's place and looks its rows up in
+the head's int8 weight (:meth:`~fxquant.nn.schemes.SchemeLinear.weight_rows`): the vectors the head computes with,
+each row on its own int8 grid, and one copy of the matrix again, as in the float model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fxquant.nn.schemes import SchemeLinear
+
+
+class TiedInt8Embedding(nn.Embedding):
+    """``nn.Embedding`` whose ``weight`` is ``head``'s dequantized weight, row ``i`` read from ``head`` when token
+    ``i`` is looked up. ``head`` is not a submodule (it stays at its own path, once in ``state_dict`` and
+    ``named_modules``); the module holds no tensor of its own. It is still an ``nn.Embedding``, so code that asks
+    for one (``get_input_embeddings()``) finds it; forward takes what ``nn.Embedding`` takes and returns float32
+    vectors. Training options (``max_norm``, sparse gradients) are not supported: convert leaves such an embedding
+    float."""
+
+    def __init__(self, embedding: nn.Embedding, head: SchemeLinear) -> None:
+        nn.Module.__init__(self)  # not nn.Embedding's: no weight Parameter
+        if (head.out_features, head.in_features) != (embedding.num_embeddings, embedding.embedding_dim):
+            raise ValueError(f"TiedInt8Embedding: a {head.out_features}x{head.in_features} head for a "
+                             f"{embedding.num_embeddings}x{embedding.embedding_dim} embedding")
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx = embedding.padding_idx
+        self.max_norm, self.norm_type = None, embedding.norm_type
+        self.scale_grad_by_freq, self.sparse = False, False
+        self.__dict__["head"] = head  # a plain attribute, not a submodule
+
+    head: SchemeLinear
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        """The float matrix of every vector (made on access, from ``head``; none is kept)."""
+        return self.head.dequantized_weight()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return self.head.weight_rows(input)  # an id outside [0, num_embeddings) raises IndexError, as nn.Embedding
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, int8 rows of the tied {self.head.scheme} head"
