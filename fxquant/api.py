@@ -24,11 +24,13 @@ from fxquant.kernels.registry import get_backend
 from fxquant.nn.fused import COMPUTE_TYPES
 from fxquant.observers import switch_method
 from fxquant.passes import (
+    ChannelRangeObserver,
     StatisticsObserver,
     correct_biases,
     keep_layers_float,
     lower_to_int8,
     smooth_activations,
+    smoothquant_alphas,
 )
 from fxquant.passes._graph import replace_submodule
 from fxquant.passes.fold_scales import fold_channel_scales
@@ -41,7 +43,8 @@ from fxquant.passes.islands import (
 from fxquant.passes.meta import LAYER_SETTINGS
 from fxquant.passes.pipeline import prepare_graph
 from fxquant.passes.schemes import lower_schemes, scheme_layers, unwrap_layer_islands
-from fxquant.passes.tied_embeddings import share_tied_embeddings, tied_heads
+from fxquant.passes.smoothquant_auto import AUTO
+from fxquant.passes.tied_embeddings import head_column_scales, share_tied_embeddings, tied_heads
 from fxquant.passes.token_ranges import attach_token_ranges
 from fxquant.passes.unobserved import keep_unobserved_float, unobserved_layers
 from fxquant.runtime import runner
@@ -222,11 +225,12 @@ def apply_statistics(prepared: fx.GraphModule, *, keep_float: Collection[str] = 
         raise ConfigError(f"keep_float must be a list of module path patterns, got the string {keep_float!r}")
     chosen = _check_schemes(schemes or {})
     gm = copy.deepcopy(prepared)
+    recorded = quant_state(gm).smoothquant_alphas  # "auto"'s choices, where a loaded model brought them
     for graph in (gm, *prepared_islands(gm).values()):
         state = quant_state(graph)
         attach_token_ranges(graph, state.prefix)  # first: an empty one keeps its layer float, not just itself gone
         keep_unobserved_float(graph, state.prefix)
-        smooth_activations(graph, state.config)
+        smooth_activations(graph, state.config, recorded)
         keep_layers_float(graph, tuple(keep_float), prefix=state.prefix)
         for pattern, scheme in reversed(chosen.items()):  # applied last to first: the first matching one stays
             keep_layers_float(graph, (pattern,), prefix=state.prefix, scheme=scheme)
@@ -260,8 +264,8 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
     -> ``"dynamic"``, ``"dynamic_group"`` or ``"weight_only"``, the first matching pattern winning) runs the matching
     Linears on that scheme instead, also without calibrating again: ``schemes={"*down_proj": "weight_only"}``.
     SmoothQuant and bias correction are applied here (see :func:`apply_statistics`). An input embedding tied to a
-    head that became a scheme Linear (``tie_word_embeddings``) reads the head's int8 rows instead of keeping a float
-    copy of its weight (:mod:`fxquant.passes.tied_embeddings`); a ``keep_float`` pattern matching it keeps it float.
+    head that became INT8 (``tie_word_embeddings``) reads the head's int8 rows instead of keeping a float copy of its
+    weight (:mod:`fxquant.passes.tied_embeddings`); a ``keep_float`` pattern matching it keeps it float.
 
     ``backend="auto"`` measures the available kernels on this CPU on each layer's real shapes (see
     :mod:`fxquant.runtime.auto_backend`); ``fxquant.coverage`` shows the backend each layer got. The fastest kernel
@@ -286,7 +290,8 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
             raise InputError(f"convert({option}=...) is for backend='auto'; the backend here is {name!r}. Drop "
                              f"{option}, or pass backend='auto'.")
     final = apply_statistics(prepared, keep_float=keep_float, schemes=schemes)
-    unsmoothed = tied_heads(final)  # before lowering: SmoothQuant gave a smoothed tied head a weight of its own
+    tied = tied_heads(prepared)
+    column_scales = head_column_scales(final, tied)  # before lowering: what SmoothQuant did to a tied head's weight
     choices: dict[str, str] = {}
     if name != "auto":
         gm = _lower(final, state.config, name)
@@ -294,12 +299,15 @@ def convert(prepared: fx.GraphModule, *, backend: str | None = None, keep_float:
         gm, choices = _replay_auto(final, state, dict(layer_backends))
     else:
         gm, choices = _convert_auto(final, state, example_inputs)
-    share_tied_embeddings(gm, tied_heads(prepared), unsmoothed, keep_float=keep_float,
-                          prefix=f"{WRAPPED}." if state.wrapped else "")
+    share_tied_embeddings(gm, tied, column_scales, keep_float=keep_float, prefix=f"{WRAPPED}." if state.wrapped else "")
+    alphas = smoothquant_alphas(final) if state.config.smoothquant_alpha == AUTO else {}
     statistics = {f"{name}.{key}": value.detach().clone()  # nested island observers too (fxquant.save needs all)
-                  for name, obs in observers_of(prepared).items() for key, value in obs.state_dict().items()}
+                  for name, obs in observers_of(prepared).items()
+                  for key, value in (obs.recorded_state() if alphas and isinstance(obs, ChannelRangeObserver)
+                                     else obs.state_dict()).items()}
     gm.meta[STATE_KEY] = replace(state, stage="converted", backend=name, observer_state=statistics,
-                                 layer_backends=choices, keep_float=tuple(keep_float), schemes=dict(schemes or {}))
+                                 layer_backends=choices, keep_float=tuple(keep_float), schemes=dict(schemes or {}),
+                                 smoothquant_alphas=alphas)
     return attention_for_backend(drop_in(runner.install(gm)), name)
 
 

@@ -56,6 +56,9 @@ class QuantState:
     layer_backends: dict[str, str] = field(default_factory=dict)  # backend="auto": the backend each layer got
     keep_float: tuple[str, ...] = ()  # converted: convert(keep_float=...) patterns, replayed by fxquant.load
     schemes: dict[str, str] = field(default_factory=dict)  # converted: convert(schemes=...), replayed likewise
+    # smoothquant_alpha="auto": each smoothed group's alpha by its first layer's path, replayed by convert (a
+    # converted model keeps these, not the sampled rows they were chosen on)
+    smoothquant_alphas: dict[str, float | None] = field(default_factory=dict)
     channels_last: bool = False  # calibrate with channels-last Conv2d weights (calibration.memory_format)
 
 

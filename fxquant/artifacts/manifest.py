@@ -60,6 +60,7 @@ class Manifest:
     layer_backends: dict[str, str] = field(default_factory=dict)  # backend "auto": each layer's, replayed on load
     keep_float: list[str] = field(default_factory=list)  # convert(keep_float=...) patterns, replayed on load
     schemes: dict[str, str] = field(default_factory=dict)  # convert(schemes=...) pattern -> scheme, replayed too
+    smoothquant_alphas: dict[str, float | None] = field(default_factory=dict)  # "auto"'s choices, replayed too
     calibration_samples: int = 0
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # role -> {"name", "sha256", "bytes"}
     source: dict[str, Any] | None = None  # CLI run dirs: model spec, weights file and hash, example-input spec
@@ -144,6 +145,7 @@ def read_manifest(directory: str | Path) -> Manifest:
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "config": (dict,), "example_inputs": (list,), "graphs": (dict,), "fingerprints": (dict,),
     "backend": (str, type(None)), "layer_backends": (dict,), "keep_float": (list,), "schemes": (dict,),
+    "smoothquant_alphas": (dict,),
     "calibration_samples": (int,),
     "source": (dict, type(None)), "history": (list,)}
 
@@ -156,6 +158,10 @@ def _check_types(path: Path, manifest: Manifest) -> None:
                                 "the file was not written by fxquant")
     if not all(isinstance(step, dict) for step in manifest.history):
         raise ArtifactError(f"{path}: the history holds entries that are not objects")
+    if not all(alpha is None or (isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 <= alpha <= 1)
+               for alpha in manifest.smoothquant_alphas.values()):
+        raise ArtifactError(f"{path}: smoothquant_alphas holds values that are not alphas in [0, 1] or null; the "
+                            "file was not written by fxquant")
 
 
 def _check_file_entries(path: Path, files: Any) -> None:

@@ -20,6 +20,7 @@ from fxquant.artifacts.manifest import Manifest, input_spec_dicts, read_manifest
 from fxquant.artifacts.store import commit, load_role
 from fxquant.calibration import observers_of
 from fxquant.errors import ArtifactError
+from fxquant.passes import ChannelRangeObserver
 from fxquant.state import graph_of, quant_state, update_state
 
 ModelOrFactory = nn.Module | Callable[[], nn.Module]
@@ -38,6 +39,7 @@ def set_converted(manifest: Manifest, quantized: fx.GraphModule) -> None:
     state = quant_state(quantized)
     manifest.backend, manifest.layer_backends = state.backend, dict(state.layer_backends)
     manifest.keep_float, manifest.schemes = list(state.keep_float), dict(state.schemes)
+    manifest.smoothquant_alphas = dict(state.smoothquant_alphas)
     set_graph(manifest, "converted", quantized)
 
 
@@ -123,7 +125,8 @@ def rebuild(directory: Path, manifest: Manifest, model: nn.Module,
     if manifest.stage == "prepared":
         return prepared
     load_observer_statistics(prepared, load_role(directory, manifest, "observers"))
-    update_state(prepared, calibration_samples=manifest.calibration_samples)
+    update_state(prepared, calibration_samples=manifest.calibration_samples,
+                 smoothquant_alphas=dict(manifest.smoothquant_alphas))
     if manifest.stage == "calibrated":
         return prepared
     quantized = convert(prepared, backend=manifest.backend, keep_float=manifest.keep_float,
@@ -144,11 +147,14 @@ def load_observer_statistics(prepared: fx.GraphModule, statistics: dict[str, Any
     observers = observers_of(prepared)
     for key, value in statistics.items():
         name, _, attr = key.rpartition(".")
-        target = expected[key]
+        target, observer = expected[key], observers[name]
+        if isinstance(observer, ChannelRangeObserver) and isinstance(value, torch.Tensor) \
+                and value.shape != target.shape and observer.take_recorded(attr, value):
+            continue  # sampled rows a converted model saved empty: its choices come recorded in the manifest
         if not isinstance(value, torch.Tensor) or value.shape != target.shape:
             raise ArtifactError(f"observer statistic {key}: saved shape {getattr(value, 'shape', None)} does not "
                                 f"fit the model's {tuple(target.shape)}")
-        getattr(observers[name], attr).copy_(value)
+        getattr(observer, attr).copy_(value)
 
 
 def check_weights(quantized: nn.Module, saved: dict[str, Any]) -> None:

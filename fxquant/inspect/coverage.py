@@ -180,10 +180,8 @@ def _unreached(gm: fx.GraphModule, seen: set[str], breaks: dict[str, str]) -> li
                 or _computed_by_a_child(path, seen):
             continue
         if isinstance(module, TiedInt8Embedding):  # the rows of its tied INT8 head's weight
-            head = next(p for p, m in gm.named_modules() if m is module.head)
-            head = head.removeprefix(f"{WRAPPED}.") if wrapped else head
-            rows.append((module, LayerCoverage(path, kind, True, f"lookup in {head}'s int8 weight (tied)",
-                                               backend="int8 rows", scheme=module.head.scheme)))
+            rows.append((module, LayerCoverage(path, kind, True, f"lookup in {_head_path(gm, module)}'s int8 weight "
+                                               "(tied)", backend="int8 rows", scheme=module.head.scheme)))
             continue
         if kind in _LOOKUPS:
             why = "float: lookup (no multiply-adds)"
@@ -194,6 +192,16 @@ def _unreached(gm: fx.GraphModule, seen: set[str], breaks: dict[str, str]) -> li
                        "not called as a module in the traced graph (unsupported pattern or config.leaf_modules)")
         rows.append((module, LayerCoverage(path, kind, False, why)))
     return rows
+
+
+def _head_path(gm: fx.GraphModule, embedding: TiedInt8Embedding) -> str:
+    """The user's path of the layer ``embedding`` reads: an island of that one layer answers for it."""
+    path = next(p for p, m in gm.named_modules() if m is embedding.head)
+    parent, _, name = path.rpartition(".")
+    surface = getattr(gm.get_submodule(parent), "meta", {}).get(SURFACE_KEY) if parent else None
+    if isinstance(surface, Surface) and surface.layer == name:
+        return surface.path
+    return path.removeprefix(f"{WRAPPED}.") if quant_state(gm).wrapped else path
 
 
 def _example(gm: fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> tuple[Any, ...] | None:

@@ -7,13 +7,14 @@ recalibration.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
 from fxquant.kernels.base import Backend, ConvAddQParams, ConvSpec
-from fxquant.qparams import QParams
+from fxquant.qparams import QParams, dequantize
 
 
 class _BackendModule(nn.Module):
@@ -84,8 +85,6 @@ class _QuantizedWeighted(_BackendModule):
         self.relower(backend)
 
     def dequantized_weight(self) -> torch.Tensor:
-        from fxquant.qparams import dequantize
-
         return dequantize(self.weight, self.w_qp)
 
     def extra_repr(self) -> str:
@@ -101,6 +100,24 @@ class QuantizedLinear(_QuantizedWeighted):
     reads it) it returns a float tensor: ``Backend.linear_to_float``."""
 
     float_output: bool = False
+    scheme = "static"
+
+    @property
+    def out_features(self) -> int:
+        return int(self.weight.shape[0])
+
+    @property
+    def in_features(self) -> int:
+        return int(self.weight.shape[1])
+
+    def weight_rows(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The rows of :meth:`dequantized_weight` of the outputs ``outputs`` (indices of any shape), made from those
+        rows alone (as :meth:`fxquant.nn.schemes.SchemeLinear.weight_rows`; ``IndexError`` outside the weight)."""
+        flat = outputs.reshape(-1)
+        qp = self.w_qp
+        if qp.per_channel:
+            qp = replace(qp, scale=qp.scale.index_select(0, flat), zero_point=qp.zero_point.index_select(0, flat))
+        return dequantize(self.weight.index_select(0, flat), qp).view(*outputs.shape, self.in_features)
 
     def relower(self, backend: Backend) -> None:
         super().relower(backend)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 
 import torch
 from torch import fx, nn
@@ -73,6 +74,7 @@ __all__ = ["ChannelRangeObserver", "ChannelScale", "insert_smoothing_observers",
            "smoothing_scales"]
 
 STATISTICS_PREFIX = "smoothquant_statistics_"
+SAMPLE_BUFFERS = ("sample_rows", "sample_keys")  # ChannelRangeObserver's: what only "auto"'s choice reads
 
 
 class ChannelRangeObserver(StatisticsObserver):
@@ -115,6 +117,18 @@ class ChannelRangeObserver(StatisticsObserver):
     def samples(self) -> torch.Tensor:
         """The sampled input rows (``[rows, channels]``)."""
         return self.sample_rows[torch.isfinite(self.sample_keys)]
+
+    def recorded_state(self) -> dict[str, torch.Tensor]:
+        """The state dict a converted model keeps once ``"auto"``'s choice is recorded: the sampled rows (only the
+        choice reads them; on an LLM they outweigh its INT8 weights' scales many times) left empty."""
+        return {key: value[:0] if key in SAMPLE_BUFFERS else value for key, value in self.state_dict().items()}
+
+    def take_recorded(self, key: str, value: torch.Tensor) -> bool:
+        """Take an empty sample buffer :meth:`recorded_state` saved (a loaded model's; its choices come recorded)."""
+        if key not in SAMPLE_BUFFERS or value.numel() or value.dim() != getattr(self, key).dim():
+            return False
+        self.register_buffer(key, value.clone())
+        return True
 
     def absmax(self) -> torch.Tensor:
         return torch.maximum(-self.channel_min, self.channel_max).clamp(min=0.0)
@@ -181,8 +195,8 @@ def _resolve_alpha(statistics: ChannelRangeObserver, weights: list[torch.Tensor]
 
 
 @torch.no_grad()
-def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver,
-            alpha: float | str) -> SmoothingChoice | None:
+def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver, alpha: float | str,
+            recorded: Mapping[str, float | None]) -> SmoothingChoice | None:
     layer_nodes = [behind_statistics(gm, user) for user in node.users]
     layers = [compute_module(module_of(gm, n) or nn.Module()) for n in layer_nodes]
     weights = [layer.weight for layer in layers  # a reparametrized weight is computed: it cannot be rescaled
@@ -190,7 +204,12 @@ def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver,
     if len(weights) != len(layer_nodes):
         return None
     names = ", ".join(str(n.target) for n in layer_nodes)
-    chosen, errors = _resolve_alpha(statistics, weights, layer_nodes, alpha)
+    first = str(layer_nodes[0].target)
+    errors: dict[float | None, float] = {}
+    if alpha == AUTO and first in recorded:  # a choice made before (a saved model's), not made again
+        chosen = recorded[first]
+    else:
+        chosen, errors = _resolve_alpha(statistics, weights, layer_nodes, alpha)
     choice = SmoothingChoice(tuple(str(n.target) for n in layer_nodes), chosen, errors)
     if errors:
         log.info("SmoothQuant auto: input of %s: alpha=%s (relative output error %.3g; unsmoothed %.3g)", names,
@@ -216,24 +235,29 @@ def _smooth(gm: fx.GraphModule, node: fx.Node, statistics: ChannelRangeObserver,
     return choice
 
 
-def smooth_activations(gm: fx.GraphModule, config: QuantConfig) -> fx.GraphModule:
+def smooth_activations(gm: fx.GraphModule, config: QuantConfig,
+                       recorded: Mapping[str, float | None] | None = None) -> fx.GraphModule:
     """Apply SmoothQuant from the calibrated :class:`ChannelRangeObserver` nodes of ``gm`` and remove them (in place).
 
     Called by ``convert`` on its copy of the prepared model, before lowering. What was done to each Linear is kept in
-    ``gm.meta`` (read it with :func:`~fxquant.passes.smoothquant_auto.smoothquant_alphas`). Example::
+    ``gm.meta`` (read it with :func:`~fxquant.passes.smoothquant_auto.smoothquant_alphas`). ``recorded`` (layer path
+    -> alpha, as ``smoothquant_alphas`` gives them; ``QuantState.smoothquant_alphas``) replays ``"auto"``'s choices
+    for the groups whose first layer it names instead of choosing again: a converted model keeps the choices, not the
+    sampled rows they were made on (:meth:`ChannelRangeObserver.recorded_state`). Example::
 
         prepared = fxquant.prepare(model, example, QuantConfig(smoothquant_alpha=0.5))   # or "auto"
         fxquant.calibrate(prepared, data)
         qmodel = fxquant.convert(prepared)      # smoothing happens here
     """
     prefix = getattr(gm.meta.get(STATE_KEY), "prefix", "")
+    local = {path.removeprefix(prefix): alpha for path, alpha in (recorded or {}).items() if path.startswith(prefix)}
     choices: dict[str, SmoothingChoice] = {}
     for node in nodes_of(gm):
         statistics = module_of(gm, node)
         if not isinstance(statistics, ChannelRangeObserver):
             continue
         if config.smoothquant_alpha is not None and statistics.has_data and node.users:
-            choice = _smooth(gm, node, statistics, config.smoothquant_alpha)
+            choice = _smooth(gm, node, statistics, config.smoothquant_alpha, local)
             if choice is not None:
                 full = SmoothingChoice(tuple(prefix + n for n in choice.layers), choice.alpha, choice.errors)
                 choices.update({path: full for path in full.layers})

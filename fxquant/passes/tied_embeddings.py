@@ -1,37 +1,38 @@
 """Tied input embeddings read their INT8 head's weight (convert's last pass, :mod:`fxquant.nn.tied_embedding`).
 
 A language model with ``tie_word_embeddings`` computes its logits with the input embedding's matrix. When convert
-makes that head an INT8 scheme Linear, the float matrix would stay alive through the embedding alone: a float copy
-of a quantized weight. :func:`share_tied_embeddings` gives such an embedding the head's int8 rows instead
+makes that head an INT8 Linear, the float matrix would stay alive through the embedding alone: a float copy of a
+quantized weight. :func:`share_tied_embeddings` gives such an embedding the head's int8 rows instead
 (:class:`~fxquant.nn.tied_embedding.TiedInt8Embedding`).
 
 The tie is found in the prepared model (:func:`tied_heads`: an ``nn.Embedding`` and a Linear holding the very same
-tensor), because SmoothQuant gives a tied head a weight of its own (``W * s``) before lowering. Such a head still
-computes with ``W`` when the ``1 / s`` in front of it went into its ``input_scale``
-(:meth:`~fxquant.nn.schemes.SchemeLinear.weight_rows` applies it); where it went into the head's producer instead,
-the head's rows are not the embedding's vectors and the embedding stays float. So does an embedding matched by
-``convert(keep_float=...)``, one with ``max_norm`` or sparse gradients, and one whose head stayed float or static.
+tensor), because SmoothQuant gives a tied head a weight of its own, ``W * s`` per input column, before lowering.
+:func:`head_column_scales` reads ``s`` off the two float matrices just before lowering. The head's rows are then
+``W`` again where the ``1 / s`` became the head's ``input_scale`` (``weight_rows`` applies it), and the embedding
+multiplies them by ``1 / s`` itself where the ``1 / s`` went elsewhere (into the norm before the head, or a static
+head's input). An embedding matched by ``convert(keep_float=...)``, one with ``max_norm`` or sparse gradients, one
+whose head stayed float, and one whose head's weight is not its matrix column-scaled stay float.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TypeGuard
 
 import torch
 from torch import nn
 
 from fxquant.nn.fused import Fused
+from fxquant.nn.quantized import QuantizedLinear
 from fxquant.nn.schemes import SchemeLinear
-from fxquant.nn.tied_embedding import TiedInt8Embedding
+from fxquant.nn.tied_embedding import Int8Rows, TiedInt8Embedding
 from fxquant.passes._graph import replace_submodule
 
 log = logging.getLogger(__name__)
-
-
 _Key = tuple[int, int, tuple[int, ...], tuple[int, ...]]
+_RTOL = 1e-5  # W * s against the head's float weight: a float32 product and quotient, a few ulps apart
 
 
 def _tensor_key(tensor: torch.Tensor) -> _Key:
@@ -54,8 +55,37 @@ def tied_heads(model: nn.Module) -> dict[str, str]:
             if _plain(module) and (key := _tensor_key(module.weight)) in linears}
 
 
-def _lowered_head(model: nn.Module, path: str) -> SchemeLinear | None:
-    """The scheme Linear that replaced the Linear at ``path``: there, inside a fused module there, or at the parent
+def _column_factors(embedding: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``s`` with ``weight == embedding * s`` (one factor per column, to float32 rounding), or None if none fits."""
+    if embedding.shape != weight.shape:
+        return None
+    columns = torch.arange(embedding.shape[1])
+    rows = embedding.abs().argmax(dim=0)  # each column's largest entry: its quotient is the best-conditioned
+    pivots = embedding[rows, columns]
+    factors = torch.where(pivots == 0, torch.ones_like(pivots), weight[rows, columns] / pivots)
+    return factors if torch.allclose(embedding * factors, weight, rtol=_RTOL, atol=0.0) else None
+
+
+@torch.no_grad()
+def head_column_scales(model: nn.Module, tied: Mapping[str, str]) -> dict[str, torch.Tensor | None]:
+    """For each embedding of ``tied`` whose head in ``model`` (the float model convert lowers) computes with its
+    matrix: None where the head still holds the embedding's tensor, ``s`` where the head's weight is the matrix
+    times ``s`` per column (SmoothQuant); embeddings whose head holds anything else are left out."""
+    scales: dict[str, torch.Tensor | None] = {}
+    modules = dict(model.named_modules())
+    for path, head_path in tied.items():
+        embedding, head = modules.get(path), modules.get(head_path)
+        if not (embedding is not None and _plain(embedding) and isinstance(head, nn.Linear)):
+            continue
+        if _tensor_key(head.weight) == _tensor_key(embedding.weight):
+            scales[path] = None
+        elif (factors := _column_factors(embedding.weight.detach(), head.weight.detach())) is not None:
+            scales[path] = factors
+    return scales
+
+
+def _lowered_head(model: nn.Module, path: str) -> Int8Rows | None:
+    """The INT8 Linear that replaced the Linear at ``path``: there, inside a fused module there, or at the parent
     path (an island of one Linear, unwrapped: :func:`~fxquant.passes.schemes.unwrap_layer_islands`)."""
     for where in (path, path.rpartition(".")[0]):
         try:
@@ -63,32 +93,32 @@ def _lowered_head(model: nn.Module, path: str) -> SchemeLinear | None:
         except AttributeError:
             continue
         module = module.inner if isinstance(module, Fused) else module
-        if isinstance(module, SchemeLinear):
+        if isinstance(module, (SchemeLinear, QuantizedLinear)):
             return module
-        if where == path:  # the Linear is still there (kept float, or static): not a scheme Linear
+        if where == path:  # the Linear is still there: kept float
             return None
     return None
 
 
-def share_tied_embeddings(model: nn.Module, tied: dict[str, str], unsmoothed: Collection[str], *,
+def share_tied_embeddings(model: nn.Module, tied: Mapping[str, str], scales: Mapping[str, torch.Tensor | None], *,
                           keep_float: Collection[str] = (), prefix: str = "") -> list[str]:
-    """Replace each embedding of ``tied`` (from :func:`tied_heads` on the prepared model) whose head became a scheme
-    Linear computing with the embedding's matrix by a :class:`TiedInt8Embedding` of that head (in place).
-
-    ``unsmoothed``: the embeddings still tied just before lowering (:func:`tied_heads` on the model convert
-    lowers); ``keep_float``: convert's patterns, matched against paths without ``prefix``. Returns the paths
-    replaced (without ``prefix``)."""
+    """Replace each embedding of ``tied`` (from :func:`tied_heads` on the prepared model) that has ``scales`` (from
+    :func:`head_column_scales` before lowering) and whose head became an INT8 Linear by a
+    :class:`TiedInt8Embedding` of that head (in place). ``keep_float``: convert's patterns, matched against paths
+    without ``prefix``. Returns the paths replaced (without ``prefix``)."""
     shared = []
     for path, head_path in tied.items():
         user_path = path.removeprefix(prefix)
-        embedding = model.get_submodule(path)
         head = _lowered_head(model, head_path)
-        if head is None or not _plain(embedding) or any(fnmatch.fnmatchcase(user_path, p) for p in keep_float):
+        if head is None or path not in scales or any(fnmatch.fnmatchcase(user_path, p) for p in keep_float):
             continue
-        if path not in unsmoothed and head.input_scale is None:
-            log.info("fxquant: %s stays float: its tied head %s was smoothed with the 1/s folded into its producer",
-                     user_path, head_path.removeprefix(prefix))
-            continue
-        replace_submodule(model, path, TiedInt8Embedding(embedding, head))
+        embedding = model.get_submodule(path)
+        assert isinstance(embedding, nn.Embedding)
+        s = scales[path]
+        inside = isinstance(head, SchemeLinear) and head.input_scale is not None  # the head's rows are W already
+        column_scale = None if s is None or inside else 1.0 / s
+        replace_submodule(model, path, TiedInt8Embedding(embedding, head, column_scale))
         shared.append(user_path)
+    if shared:
+        log.info("fxquant: %s read(s) the int8 rows of the tied head", ", ".join(shared))
     return shared

@@ -12,8 +12,10 @@ import torch
 from torch import nn
 
 import fxquant
+from fxquant.nn.quantized import QuantizedLinear
 from fxquant.nn.tied_embedding import TiedInt8Embedding
 from fxquant.passes import smoothquant_alphas
+from fxquant.passes.tied_embeddings import head_column_scales, tied_heads
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,16 +144,58 @@ class TiedTagger(nn.Module):
         return self.head(self.norm(self.body(self.embed(ids))))
 
 
-def test_a_head_smoothed_through_its_producer_leaves_the_embedding_float() -> None:
+def test_a_head_smoothed_through_its_producer_scales_the_rows_back() -> None:
     torch.manual_seed(0)
     model = TiedTagger().eval()
     float_weight = model.embed.weight.detach().clone()
     qmodel = _convert(model, fxquant.QuantConfig(scheme="static", smoothquant_alpha=0.5),
                       schemes={"*": "dynamic_group"})
     head = qmodel.get_submodule("head")
-    assert head.input_scale is None and smoothquant_alphas(qmodel)["head"] == 0.5
-    assert type(qmodel.get_submodule("embed")) is nn.Embedding
-    assert torch.equal(qmodel.get_submodule("embed").weight, float_weight)  # SmoothQuant's s stayed in the head
+    assert head.input_scale is None and smoothquant_alphas(qmodel)["head"] == 0.5  # 1/s went into the norm
+    embedding = qmodel.get_submodule("embed")
+    assert isinstance(embedding, TiedInt8Embedding) and embedding.column_scale is not None
+    smoothed = _reference_rows(head)  # Q(W * s)
+    ids = _data(1)[0]
+    assert torch.equal(embedding(ids), smoothed[ids] * embedding.column_scale)
+    # 1/s is SmoothQuant's: the float head it lowered holds W * s, and W * s * (1/s) is the float matrix again
+    step = head.weight_scale.view(VOCAB, 1) * embedding.column_scale.view(1, HIDDEN)
+    assert ((embedding.weight - float_weight).abs() <= step / 2 + 1e-6).all()
+    assert not torch.allclose(embedding.column_scale, torch.ones(HIDDEN))
+
+
+@pytest.mark.parametrize("alpha", [None, 0.5])
+def test_a_static_head_shares_its_rows(alpha: float | None) -> None:
+    model = _llama()
+    float_weight = model.model.embed_tokens.weight.detach().clone()
+    qmodel = _convert(model, fxquant.QuantConfig(scheme="static", backend="reference", smoothquant_alpha=alpha))
+    embedding = qmodel.model.embed_tokens
+    assert isinstance(embedding, TiedInt8Embedding) and isinstance(embedding.head, QuantizedLinear)
+    head = embedding.head
+    int8 = head.weight.float() - head.weight_zero_point.float().view(-1, 1)
+    reference = int8 * head.weight_scale.view(-1, 1)
+    if alpha is None:
+        assert embedding.column_scale is None
+    else:
+        assert embedding.column_scale is not None
+        reference = reference * embedding.column_scale
+    ids = _data(1)[0]
+    assert torch.equal(embedding(ids), reference[ids])
+    step = head.weight_scale.view(VOCAB, 1) * (1 if embedding.column_scale is None else embedding.column_scale)
+    assert ((reference - float_weight).abs() <= step / 2 + 1e-6).all()
+    row = next(r for r in fxquant.coverage(qmodel).layers if r.path == "model.embed_tokens")
+    assert row.scheme == "static" and row.reason == "lookup in lm_head's int8 weight (tied)"
+
+
+def test_column_scales_are_read_only_off_a_column_scaled_head() -> None:
+    torch.manual_seed(0)
+    model = TiedTagger()
+    assert head_column_scales(model, tied_heads(model)) == {"embed": None}
+    s = torch.rand(HIDDEN) + 0.5
+    model.head.weight = nn.Parameter(model.embed.weight.detach() * s)
+    found = head_column_scales(model, {"embed": "head"})["embed"]
+    assert found is not None and torch.allclose(found, s, rtol=1e-6)
+    model.head.weight = nn.Parameter(model.embed.weight.detach() * s + 1e-3 * torch.randn(VOCAB, HIDDEN))
+    assert head_column_scales(model, {"embed": "head"}) == {}
 
 
 def test_a_traced_model_shares_too() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -11,10 +12,12 @@ from torch import nn
 
 import fxquant
 from fxquant import QuantConfig
-from fxquant.errors import ConfigError
+from fxquant.artifacts.manifest import checksum
+from fxquant.errors import ArtifactError, ConfigError
 from fxquant.passes import ChannelRangeObserver, smoothing_choices, smoothquant_alphas
 from fxquant.passes.smoothquant_auto import AUTO_ALPHAS, SAMPLE_ROWS
 from fxquant.qparams import sqnr_db
+from fxquant.state import quant_state
 
 GRID: tuple[float | None, ...] = (None, *AUTO_ALPHAS)  # None: no smoothing
 
@@ -165,3 +168,39 @@ def test_config_accepts_auto_and_rejects_other_values(tmp_path: Path) -> None:
         (tmp_path / name).write_text(text)
         assert QuantConfig.from_file(tmp_path / name).smoothquant_alpha == "auto", name
     assert QuantConfig.from_dict(QuantConfig(smoothquant_alpha="auto").to_dict()).smoothquant_alpha == "auto"
+
+
+def test_a_converted_model_keeps_the_choices_not_the_sampled_rows(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = PreNormBlock().eval()
+    x = torch.randn(8, 16, 32)
+    prepared = fxquant.prepare(model, (x,), QuantConfig(smoothquant_alpha="auto"))
+    fxquant.calibrate(prepared, [torch.randn(8, 16, 32) for _ in range(4)], progress=False)
+    assert sum(m.sample_rows.numel() for m in prepared.modules() if isinstance(m, ChannelRangeObserver)) > 0
+    auto = fxquant.convert(prepared)
+    state = quant_state(auto)
+    samples = [v for k, v in state.observer_state.items() if k.endswith((".sample_rows", ".sample_keys"))]
+    assert samples and all(v.numel() == 0 for v in samples)
+    alphas = smoothquant_alphas(auto)
+    assert state.smoothquant_alphas == alphas and alphas["fc1"] is not None
+    path = fxquant.save(auto, tmp_path / "artifact")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["smoothquant_alphas"] == alphas
+    loaded = fxquant.load(path, model)
+    assert torch.equal(loaded(x), auto(x)) and smoothquant_alphas(loaded) == alphas
+    again = fxquant.load(fxquant.save(loaded, tmp_path / "again"), model)  # a loaded model saves as it loaded
+    assert torch.equal(again(x), auto(x))
+    # the record is what convert replays: another alpha there rebuilds other weights, which the check refuses
+    _rewrite(path, manifest, 0.1 if alphas["fc1"] != 0.1 else 0.9)
+    with pytest.raises(ArtifactError, match="weights differ"):
+        fxquant.load(path, model)
+    _rewrite(path, manifest, "high")
+    with pytest.raises(ArtifactError, match="smoothquant_alphas"):
+        fxquant.load(path, model)
+
+
+def _rewrite(path: Path, manifest: dict[str, Any], alpha: object) -> None:
+    """The manifest with fc1's recorded alpha replaced, checksummed again (as a deliberate edit would be)."""
+    body = {key: value for key, value in manifest.items() if key != "checksum"}
+    body["smoothquant_alphas"] = {**body["smoothquant_alphas"], "fc1": alpha}
+    (path / "manifest.json").write_text(json.dumps({**body, "checksum": checksum(body)}))
