@@ -119,8 +119,8 @@ class ChannelRangeObserver(StatisticsObserver):
         return self.sample_rows[torch.isfinite(self.sample_keys)]
 
     def recorded_state(self) -> dict[str, torch.Tensor]:
-        """The state dict a converted model keeps once ``"auto"``'s choice is recorded: the sampled rows (only the
-        choice reads them; on an LLM they outweigh its INT8 weights' scales many times) left empty."""
+        """The state dict a converted model keeps once ``"auto"``'s choice is recorded: the sampled rows left empty
+        (only the choice reads them, and on an LLM they weigh about as much as its INT8 weights)."""
         return {key: value[:0] if key in SAMPLE_BUFFERS else value for key, value in self.state_dict().items()}
 
     def take_recorded(self, key: str, value: torch.Tensor) -> bool:
