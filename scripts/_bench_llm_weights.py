@@ -1,7 +1,9 @@
-"""The weights column of ``bench_llm.py``: the bytes of every distinct tensor storage reachable from a model.
+"""The weights column of ``bench_llm.py``: the bytes of every distinct tensor storage reachable from a model, plus
+the reordered weights fxquant's oneDNN primitives allocate themselves.
 
 Parameters, buffers, the state dict (which holds torch.ao's packed weights) and module attributes (which hold
-fxquant's packed ones) are walked; a storage shared by two tensors (a tied embedding) counts once.
+fxquant's packed ones) are walked; a storage shared by two tensors (a tied embedding) counts once, and so does a
+primitive's reordered copy (``weights_bytes``, by its ``weights_address``; a primitive using another's counts 0).
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ import torch
 from torch import nn
 
 
-def _tensors(obj: Any, seen: set[int]) -> Iterator[torch.Tensor]:
-    """The tensors reachable from ``obj`` through modules (state dict and attributes), dataclasses and containers."""
+def _tensors(obj: Any, seen: set[int]) -> Iterator[Any]:
+    """The tensors reachable from ``obj`` through modules (state dict and attributes), dataclasses and containers,
+    and the oneDNN primitives (objects with ``weights_bytes``)."""
+    if hasattr(obj, "weights_bytes") and hasattr(obj, "weights_address"):
+        yield obj
+        return
     if isinstance(obj, torch.Tensor):  # a tensor subclass (torchao's): its inner tensors hold the bytes
         inner = obj.__tensor_flatten__()[0] if hasattr(obj, "__tensor_flatten__") else None
         yield from (t for name in inner for t in _tensors(getattr(obj, name), seen)) if inner is not None else (obj,)
@@ -34,7 +40,9 @@ def _tensors(obj: Any, seen: set[int]) -> Iterator[torch.Tensor]:
         yield from _tensors(child, seen)
 
 
-def _storage(tensor: torch.Tensor) -> tuple[int, int]:
+def _storage(tensor: Any) -> tuple[int, int]:
+    if not isinstance(tensor, torch.Tensor):  # a primitive: its own reordered weights, where they are
+        return tensor.weights_address, tensor.weights_bytes
     try:
         return tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
     except NotImplementedError:  # an opaque tensor (oneDNN's packed layout) shows no storage: its elements' bytes
@@ -42,4 +50,8 @@ def _storage(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 def weight_bytes(model: nn.Module) -> int:
-    return sum(dict(_storage(tensor) for tensor in _tensors(model, set())).values())
+    sizes: dict[int, int] = {}
+    for item in _tensors(model, set()):
+        address, size = _storage(item)
+        sizes[address] = max(size, sizes.get(address, 0))  # a primitive using another's weights says 0 bytes there
+    return sum(sizes.values())

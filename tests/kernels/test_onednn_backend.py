@@ -80,6 +80,22 @@ def test_a_linear_packs_the_ops_copy_only_when_a_call_needs_it(monkeypatch: pyte
     assert torch.equal(got, eager)
 
 
+def test_primitives_report_the_reordered_weights_they_hold() -> None:
+    """What a memory report counts beside torch's tensors: each layout's reordered copy once (the layer keeps the
+    primitives that own one), at least the int8 weight's bytes each."""
+    if not onednn_direct.available():
+        pytest.skip("fxquant's oneDNN primitives are off here: no reordered copies of their own")
+    layer = make_layer((6, 64), (48, 64), qrange=activation_range("onednn"), per_channel=True, bias=True, seed=2)
+    w = pack_linear(layer.q_w, layer.w_qp, layer.bias, layer.in_qp)
+    for rows in (6, 1, 6, 32):  # several batch sizes: several primitives, most on one layout's copy
+        x = layer.q_x[:1].expand(rows, -1).contiguous()
+        calls.bind_linear(w, tuple(x.shape), layer.in_qp, (1.0, 0, torch.float32), "none", None)(x)
+    assert w.shared, "no primitive was built"
+    addresses = [p.weights_address for p in w.shared]
+    assert len(set(addresses)) == len(addresses)  # owners only: one per layout
+    assert all(p.weights_bytes >= layer.q_w.numel() for p in w.shared)
+
+
 DEPTH_ONE_KERNELS = [(2, 2, 2), (3, 3, 3)]
 
 

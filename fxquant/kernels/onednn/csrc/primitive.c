@@ -356,8 +356,14 @@ static PyObject *Primitive_weights(Primitive *p, void *closure) {
     return PyLong_FromVoidPtr(p->weights);
 }
 
+static PyObject *Primitive_weights_bytes(Primitive *p, void *closure) {
+    return PyLong_FromSize_t(p->donor != NULL ? 0 : api.memory_desc_get_size(p->weights_md));
+}
+
 static PyGetSetDef Primitive_getset[] = {
     {"weights_address", (getter)Primitive_weights, NULL, "where the reordered weights are (shared or own)", NULL},
+    {"weights_bytes", (getter)Primitive_weights_bytes, NULL,
+     "bytes of reordered weights this primitive allocated (0: it uses another's)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
