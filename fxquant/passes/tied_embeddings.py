@@ -108,17 +108,22 @@ def share_tied_embeddings(model: nn.Module, tied: Mapping[str, str], scales: Map
     without ``prefix``. Returns the paths replaced (without ``prefix``)."""
     shared = []
     for path, head_path in tied.items():
-        user_path = path.removeprefix(prefix)
         head = _lowered_head(model, head_path)
-        if head is None or path not in scales or any(fnmatch.fnmatchcase(user_path, p) for p in keep_float):
+        if head is None or path not in scales:
             continue
         embedding = model.get_submodule(path)
         assert isinstance(embedding, nn.Embedding)
+        # every path the module sits at (T5's ``shared`` is also each stack's ``embed_tokens``)
+        paths = [where for where, module in model.named_modules(remove_duplicate=False) if module is embedding]
+        user_paths = [where.removeprefix(prefix) for where in paths]
+        if any(fnmatch.fnmatchcase(where, pattern) for where in user_paths for pattern in keep_float):
+            continue
         s = scales[path]
         inside = isinstance(head, SchemeLinear) and head.input_scale is not None  # the head's rows are W already
-        column_scale = None if s is None or inside else 1.0 / s
-        replace_submodule(model, path, TiedInt8Embedding(embedding, head, column_scale))
-        shared.append(user_path)
+        tied_embedding = TiedInt8Embedding(embedding, head, None if s is None or inside else 1.0 / s)
+        for where in paths:
+            replace_submodule(model, where, tied_embedding)
+        shared += user_paths
     if shared:
         log.info("fxquant: %s read(s) the int8 rows of the tied head", ", ".join(shared))
     return shared

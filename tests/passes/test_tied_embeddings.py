@@ -208,3 +208,32 @@ def test_a_traced_model_shares_too() -> None:
     rows = _reference_rows(qmodel.get_submodule("head"))[ids]  # the graph looks its input up in the head's rows
     expected = qmodel.get_submodule("head")(qmodel.get_submodule("norm")(qmodel.get_submodule("body")(rows)))
     assert torch.equal(qmodel(ids), expected)
+
+
+class SharedEmbeddings(nn.Module):
+    """One embedding module at two paths (as T5's ``shared`` and ``encoder.embed_tokens``), tied to the head; its
+    forward does not trace (a data-dependent branch), so the converted model is this class with both paths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(VOCAB, HIDDEN)
+        self.encoder = nn.Module()
+        self.encoder.embed_tokens = self.shared
+        self.body = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if bool((ids == 0).all()):
+            return torch.zeros(*ids.shape, VOCAB)
+        return self.head(self.body(self.encoder.embed_tokens(ids) + self.shared(ids.flip(-1))))
+
+
+def test_an_embedding_at_two_paths_is_replaced_at_both() -> None:
+    torch.manual_seed(0)
+    model = SharedEmbeddings().eval()
+    qmodel = _convert(model, fxquant.QuantConfig(scheme="dynamic_group"))
+    shared, inner = qmodel.get_submodule("shared"), qmodel.get_submodule("encoder.embed_tokens")
+    assert isinstance(shared, TiedInt8Embedding) and inner is shared  # no path keeps the float matrix alive
+    kept = _convert(model, fxquant.QuantConfig(scheme="dynamic_group"), keep_float=["encoder.*"])
+    assert type(kept.get_submodule("shared")) is nn.Embedding  # kept float at one path: float at both
