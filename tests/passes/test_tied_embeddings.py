@@ -62,8 +62,8 @@ def test_the_embedding_reads_the_heads_int8_rows(scheme: str) -> None:
     assert torch.equal(embedding(ids), reference[ids])
     assert torch.equal(embedding.weight, reference)
     # the vectors are the float ones within half an int8 step of their row (or group)
-    step = qmodel.lm_head.weight_scale.view(VOCAB, -1, 1).expand(VOCAB, -1, HIDDEN // qmodel.lm_head.weight_scale
-                                                                .view(VOCAB, -1).shape[1]).reshape(VOCAB, HIDDEN)
+    scale = qmodel.lm_head.weight_scale.view(VOCAB, -1)  # one per row, or per group of inputs of each row
+    step = scale.repeat_interleave(HIDDEN // scale.shape[1], dim=1)
     assert ((reference - float_weight).abs() <= step / 2 + 1e-7).all()
 
 
