@@ -2,10 +2,10 @@
 
 A language model whose ``lm_head`` shares its weight with the input embedding (``tie_word_embeddings``: SmolLM2,
 GPT-2, Gemma, ...) holds that matrix once. Once ``lm_head`` is INT8 the float matrix is still there, kept alive by
-the embedding alone: a float copy of a quantized weight, on SmolLM2 a fifth of the float model's bytes and more
-than every INT8 weight together. :class:`TiedInt8Embedding` takes the embedding's place and looks its rows up in
-the head's int8 weight (``weight_rows``): the vectors the head computes with, each row on its own int8 grid, and
-one copy of the matrix again, as in the float model.
+the embedding alone: a float copy of a quantized weight, on SmolLM2 nearly as many bytes as all its INT8 weights.
+:class:`TiedInt8Embedding` takes the embedding's place and looks its rows up in the head's int8 weight
+(``weight_rows``): the vectors the head computes with, each row on its own int8 grid, and one copy of the matrix
+again, as in the float model.
 """
 
 from __future__ import annotations
