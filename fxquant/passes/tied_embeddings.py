@@ -109,7 +109,11 @@ def share_tied_embeddings(model: nn.Module, tied: Mapping[str, str], scales: Map
     shared = []
     for path, head_path in tied.items():
         head = _lowered_head(model, head_path)
-        if head is None or path not in scales:
+        if head is None:
+            continue
+        if path not in scales:  # an INT8 head whose weight is not the matrix column-scaled: nothing to read rows of
+            log.info("fxquant: %s stays float: its tied head %s computes with another weight",
+                     path.removeprefix(prefix), head_path.removeprefix(prefix))
             continue
         embedding = model.get_submodule(path)
         assert isinstance(embedding, nn.Embedding)
