@@ -27,7 +27,7 @@ extensions = [Extension("fxquant.native._native", NATIVE_SOURCES, depends=NATIVE
                         extra_compile_args=["-O3", "-std=c99", "-ffp-contract=off", *OPENMP],
                         extra_link_args=OPENMP)]
 if POSIX:
-    dnnl_sources = [f"fxquant/kernels/onednn/csrc/{name}.c" for name in ("module", "loader", "primitive")]
+    dnnl_sources = [f"fxquant/kernels/onednn/csrc/{name}.c" for name in ("module", "loader", "primitive", "reorder")]
     extensions.append(Extension("fxquant.kernels.onednn._dnnl", dnnl_sources, optional=True, libraries=["dl"],
                                 depends=["fxquant/kernels/onednn/csrc/dnnl_api.h"],
                                 extra_compile_args=["-O2", "-std=gnu99"]))

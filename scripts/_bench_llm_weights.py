@@ -4,6 +4,8 @@ the reordered weights fxquant's oneDNN primitives allocate themselves.
 Parameters, buffers, the state dict (which holds torch.ao's packed weights) and module attributes (which hold
 fxquant's packed ones) are walked; a storage shared by two tensors (a tied embedding) counts once, and so does a
 primitive's reordered copy (``weights_bytes``, by its ``weights_address``; a primitive using another's counts 0).
+A state-dict tensor made anew on each call (an int8 weight read back from the primitives that hold it) is not
+resident and is not counted.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _tensors(obj: Any, seen: set[int]) -> Iterator[Any]:
         return
     seen.add(id(obj))
     if isinstance(obj, nn.Module):
-        children = [*obj.state_dict(keep_vars=True).values(),
+        children = [*_resident_state(obj),
                     *(value for module in obj.modules() for key, value in vars(module).items() if key != "_modules")]
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         children = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
@@ -38,6 +40,14 @@ def _tensors(obj: Any, seen: set[int]) -> Iterator[Any]:
         children = list(obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple, set)) else ())
     for child in children:
         yield from _tensors(child, seen)
+
+
+def _resident_state(module: nn.Module) -> list[Any]:
+    """The state dict's values that ``state_dict()`` does not make anew: two calls, both alive, give them the same
+    storage (tensors made on each call cannot share an address while both exist)."""
+    first, second = module.state_dict(keep_vars=True), module.state_dict(keep_vars=True)
+    return [value for key, value in first.items()
+            if not isinstance(value, torch.Tensor) or _storage(value)[0] == _storage(second[key])[0]]
 
 
 def _storage(tensor: Any) -> tuple[int, int]:

@@ -127,6 +127,19 @@ class Backend(ABC):
     def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                relu: bool) -> torch.Tensor: ...
 
+    def holds_weight(self, packed: PackedWeight) -> bool:
+        """Whether ``packed`` holds the only int8 copy of the weight its layer needs: the layer then keeps none of
+        its own and reads it back with :meth:`unpacked_weight` (oneDNN's Linears)."""
+        return False
+
+    def unpacked_weight(self, packed: PackedWeight) -> torch.Tensor:
+        """The plain int8 weight held by ``packed`` (where :meth:`holds_weight`), a new tensor on each call."""
+        raise NotImplementedError(f"the {self.name} backend keeps no weight of its own")
+
+    def unpacked_rows(self, packed: PackedWeight, outputs: torch.Tensor) -> torch.Tensor:
+        """The int8 rows of the outputs ``outputs`` (1-d indices) of the weight held by ``packed``."""
+        return self.unpacked_weight(packed).index_select(0, outputs)
+
     @abstractmethod
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight: ...

@@ -7,13 +7,14 @@ recalibration.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from fxquant.kernels.base import Backend, ConvAddQParams, ConvSpec
+from fxquant.kernels.base import Backend, ConvAddQParams, ConvSpec, PackedWeight
 from fxquant.qparams import QParams, dequantize
 
 
@@ -58,8 +59,14 @@ class DeQuantize(_BackendModule):
 
 
 class _QuantizedWeighted(_BackendModule):
-    """Shared state of quantized Linear/Conv: int8 weight, its qparams, float bias, input/output qparams."""
+    """Shared state of quantized Linear/Conv: int8 weight, its qparams, float bias, input/output qparams.
 
+    The int8 ``weight`` is a buffer, except where the backend's packed weight holds the only copy the layer needs
+    (``Backend.holds_weight``: a Linear on oneDNN's primitives, whose weight lies in oneDNN's layout): a second,
+    plain copy would double the layer's int8 bytes. ``weight`` then reads it back (a new tensor on each access), and
+    ``state_dict`` and ``load_state_dict`` still have it under the same key."""
+
+    _packed: PackedWeight
     weight: torch.Tensor
     weight_scale: torch.Tensor
     weight_zero_point: torch.Tensor
@@ -71,6 +78,7 @@ class _QuantizedWeighted(_BackendModule):
     def __init__(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, io: tuple[QParams, QParams],
                  *, relu: bool, backend: Backend) -> None:
         super().__init__(backend)
+        self.weight_shape = tuple(weight.shape)  # (the weight may be read back from the packed copy: not for this)
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", w_qp.scale)
         self.register_buffer("weight_zero_point", w_qp.zero_point)
@@ -84,6 +92,41 @@ class _QuantizedWeighted(_BackendModule):
         self.unary_qp: QParams | None = None
         self.relower(backend)
 
+    def __getattr__(self, name: str) -> Any:
+        # ``weight`` where no buffer (nor attribute) has it: read back from the packed weight that holds it
+        if name == "weight" and "weight" not in self._buffers and self._held():
+            return self.backend.unpacked_weight(self._packed)
+        return super().__getattr__(name)
+
+    def _held(self) -> bool:
+        """Whether the packed weight holds the only copy (no buffer: an export's copy moves its buffers out too)."""
+        packed = self.__dict__.get("_packed")  # (none yet while __init__ registers the buffers)
+        return packed is not None and self.backend.holds_weight(packed)
+
+    def _pack(self, backend: Backend, pack: Callable[[torch.Tensor], PackedWeight]) -> None:
+        """Switch to ``backend`` with the weight ``pack`` packs for it; the buffer goes where the packed weight holds
+        the only copy, and comes back where it does not."""
+        weight = self.weight  # read before the backend changes: the old packed weight may hold it
+        super().relower(backend)
+        self._packed = pack(weight)
+        if backend.holds_weight(self._packed):
+            self._buffers.pop("weight", None)
+        else:
+            self._buffers["weight"] = weight
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        if self._held():
+            destination[prefix + "weight"] = self.weight  # first, where the buffer would be
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        held = self._held()
+        if held:
+            self._buffers["weight"] = self.weight
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if held:  # the loaded weight, packed again (the primitives hold copies of the old one)
+            self.relower(self.backend)
+
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.weight, self.w_qp)
 
@@ -91,7 +134,7 @@ class _QuantizedWeighted(_BackendModule):
         scale, zp = self.out_qp.scalar()
         per = "per_channel" if self.w_qp.per_channel else "per_tensor"
         unary = f", then {self.unary} to {self.unary_qp.scalar()}" if self.unary and self.unary_qp else ""
-        return (f"{tuple(self.weight.shape)}, weight={per}, relu={self.relu}, scale={scale:.4g}, "
+        return (f"{self.weight_shape}, weight={per}, relu={self.relu}, scale={scale:.4g}, "
                 f"zero_point={zp}{unary}, backend={self.backend.name}")
 
 
@@ -104,11 +147,11 @@ class QuantizedLinear(_QuantizedWeighted):
 
     @property
     def out_features(self) -> int:
-        return int(self.weight.shape[0])
+        return self.weight_shape[0]
 
     @property
     def in_features(self) -> int:
-        return int(self.weight.shape[1])
+        return self.weight_shape[1]
 
     def weight_rows(self, outputs: torch.Tensor) -> torch.Tensor:
         """The rows of :meth:`dequantized_weight` of the outputs ``outputs`` (indices of any shape), made from those
@@ -117,11 +160,12 @@ class QuantizedLinear(_QuantizedWeighted):
         qp = self.w_qp
         if qp.per_channel:
             qp = replace(qp, scale=qp.scale.index_select(0, flat), zero_point=qp.zero_point.index_select(0, flat))
-        return dequantize(self.weight.index_select(0, flat), qp).view(*outputs.shape, self.in_features)
+        # read back by rows where the packed weight holds it, not the whole weight
+        rows = self.backend.unpacked_rows(self._packed, flat) if self._held() else self.weight.index_select(0, flat)
+        return dequantize(rows, qp).view(*outputs.shape, self.in_features)
 
     def relower(self, backend: Backend) -> None:
-        super().relower(backend)
-        self._packed = backend.prepack_linear(self.weight, self.w_qp, self.bias, in_qp=self.in_qp)
+        self._pack(backend, lambda weight: backend.prepack_linear(weight, self.w_qp, self.bias, in_qp=self.in_qp))
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         if self.unary is not None and self.unary_qp is not None:
@@ -145,8 +189,8 @@ class QuantizedConvNd(_QuantizedConvBase):
     float_output: bool = False
 
     def relower(self, backend: Backend) -> None:
-        super().relower(backend)
-        self._packed = backend.prepack_conv(self.weight, self.w_qp, self.bias, self.spec, in_qp=self.in_qp)
+        self._pack(backend, lambda weight: backend.prepack_conv(weight, self.w_qp, self.bias, self.spec,
+                                                                in_qp=self.in_qp))
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         if self.unary is not None and self.unary_qp is not None:
@@ -160,8 +204,8 @@ class QuantizedConvTransposeNd(_QuantizedConvBase):
     """INT8 ``nn.ConvTransposeNd`` (weights per tensor: no kernel takes per-channel transposed weights)."""
 
     def relower(self, backend: Backend) -> None:
-        super().relower(backend)
-        self._packed = backend.prepack_conv_transpose(self.weight, self.w_qp, self.bias, self.spec, in_qp=self.in_qp)
+        self._pack(backend, lambda weight: backend.prepack_conv_transpose(weight, self.w_qp, self.bias, self.spec,
+                                                                          in_qp=self.in_qp))
 
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         out = self.backend.conv_transpose(a, self._packed, self.in_qp, self.out_qp)

@@ -69,7 +69,7 @@ def test_a_linear_packs_the_ops_copy_only_when_a_call_needs_it(monkeypatch: pyte
         pytest.skip("fxquant's oneDNN primitives are off here: the op's copy is packed at convert")
     layer = make_layer((6, 16), (5, 16), qrange=activation_range("onednn"), per_channel=True, bias=True, seed=1)
     w = pack_linear(layer.q_w, layer.w_qp, layer.bias, layer.in_qp)
-    assert w.packed is None and w.plain is not None
+    assert w.packed is None and w.plain is None and w.holds_weight()
     monkeypatch.setattr(calls, "direct_weight", lambda weight: None)  # the op, as for a call past the cache
     got = calls.bind_linear(w, tuple(layer.q_x.shape), layer.in_qp, (1.0, 0, torch.float32), "none", None)(layer.q_x)
     assert w.packed is not None

@@ -3,7 +3,7 @@ from collections.abc import Sequence
 def load(path: str) -> tuple[int, int, int]: ...
 
 class Primitive:
-    def __init__(self, weight_ptr: int, weight_dims: Sequence[int], src_dims: Sequence[int],
+    def __init__(self, weight_ptr: int | None, weight_dims: Sequence[int], src_dims: Sequence[int],
                  src_strides: Sequence[int], dst_dims: Sequence[int], dst_strides: Sequence[int], dst_type: str,
                  weight_scales: bytes, bias: bytes | None, src_scale: float, src_zero_point: int, dst_scale: float,
                  dst_zero_point: int,
@@ -15,3 +15,4 @@ class Primitive:
     @property
     def weights_bytes(self) -> int: ...
     def run(self, src_ptr: int, dst_ptr: int, /) -> None: ...
+    def unpack(self, plain_ptr: int, /) -> None: ...

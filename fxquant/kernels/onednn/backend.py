@@ -77,6 +77,15 @@ class OnednnBackend(PlainInt8Backend):
                        in_qp: QParams | None = None) -> PackedWeight:
         return PackedWeight(self.name, pack_linear(weight, w_qp, bias, in_qp))
 
+    def holds_weight(self, packed: PackedWeight) -> bool:
+        return isinstance(packed.payload, OnednnWeight) and packed.payload.holds_weight()  # (not transposed convs')
+
+    def unpacked_weight(self, packed: PackedWeight) -> torch.Tensor:
+        return packed.payload.unpacked()
+
+    def unpacked_rows(self, packed: PackedWeight, outputs: torch.Tensor) -> torch.Tensor:
+        return packed.payload.rows(outputs)
+
     def linear(self, a: torch.Tensor, packed: PackedWeight, in_qp: QParams, out_qp: QParams, *,
                relu: bool) -> torch.Tensor:
         w: OnednnWeight = packed.payload

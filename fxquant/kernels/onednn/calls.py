@@ -50,10 +50,10 @@ def bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: O
         shape = (shape[0], shape[1], 1, *shape[2:])
     if needs_workaround(shape, w):
         return lambda a: padded_conv(a, w, in_qp, output, post_op, within)
-    plain = direct_weight(w)
-    direct = plain is not None and onednn_direct.conv(plain, w.scale, bias, spec, shape,
-                                                      out_shape(shape, w, spec.padding), (x_scale, x_zp), output,
-                                                      post_op, w.shared)
+    plain = direct_weight(w)  # a conv keeps its plain weight (only a Linear's primitives hold theirs alone)
+    direct = isinstance(plain, torch.Tensor) and onednn_direct.conv(plain, w.scale, bias, spec, shape,
+                                                                    out_shape(shape, w, spec.padding),
+                                                                    (x_scale, x_zp), output, post_op, w.shared)
     if direct:
         call = clamped(direct, clamp_bounds(None, within))
     else:
@@ -74,9 +74,9 @@ def bind_linear(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output:
     """One Linear call for inputs of ``shape``: fxquant's primitive, else ``onednn::qlinear_pointwise``; arguments
     as for :func:`bind_conv`."""
     x_scale, x_zp, bias = operands(w, in_qp)
-    plain = direct_weight(w)
-    direct = plain is not None and onednn_direct.linear(plain, w.scale, bias, shape, (x_scale, x_zp), output,
-                                                        post_op, w.shared)
+    weight = direct_weight(w)
+    direct = weight is not None and onednn_direct.linear(weight, w.out_channels, w.scale, bias, shape,
+                                                         (x_scale, x_zp), output, post_op, w.shared)
     if direct:
         return clamped(direct, clamp_bounds(None, within))
     attr, algorithm = POST_OPS[post_op]
@@ -96,10 +96,11 @@ def bind_conv_add(w: OnednnWeight, shape: tuple[int, ...], accum: torch.Tensor, 
         return None
     (x_scale, x_zp, bias), (out_scale, out_zp), (acc_scale, acc_zp) = operands(w, qps.input), qps.out.scalar(), \
         qps.accum.scalar()
-    plain = direct_weight(w)
-    direct = plain is not None and onednn_direct.conv(plain, w.scale, bias, spec, shape, tuple(accum.shape),
-                                                      (x_scale, x_zp), uint8_output(qps.out), relu_post_op(relu),
-                                                      w.shared, accum_qp=(acc_scale, acc_zp))
+    plain = direct_weight(w)  # a conv keeps its plain weight (only a Linear's primitives hold theirs alone)
+    direct = isinstance(plain, torch.Tensor) and onednn_direct.conv(plain, w.scale, bias, spec, shape,
+                                                                    tuple(accum.shape), (x_scale, x_zp),
+                                                                    uint8_output(qps.out), relu_post_op(relu),
+                                                                    w.shared, accum_qp=(acc_scale, acc_zp))
     if direct:
         return clamped(direct, clamp_bounds(None, qps.out))
     head = (x_scale, x_zp, w.for_input(shape), w.scale, w.zero_point)

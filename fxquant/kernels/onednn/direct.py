@@ -45,6 +45,9 @@ Output = tuple[float, int, torch.dtype]  # (scale, zero point, dtype) of a resul
 # One executed primitive: its run, source and destination addresses and the destination tensor; None: some other
 # operation on a result (a clamp after the primitive)
 Record = tuple[Callable[[int, int], None], int, int, torch.Tensor] | None
+# The int8 weight a primitive is built from: the dense plain tensor, or, for a layer whose primitives hold its only
+# copy, a function making the plain tensor anew (see ``_primitive``)
+Weight = torch.Tensor | Callable[[], torch.Tensor]
 _recorder = threading.local()
 
 
@@ -130,21 +133,28 @@ def _eltwise(post_op: str) -> tuple[int, float, float] | None:
     return None if post_op == "none" else _ELTWISE[post_op]
 
 
-def _primitive(weight: torch.Tensor, weight_dims: list[int], src_dims: list[int], src_strides: list[int],
+def _primitive(weight: Weight, weight_dims: list[int], src_dims: list[int], src_strides: list[int],
                dst_dims: list[int], dst_strides: list[int], scales: torch.Tensor, bias: torch.Tensor | None,
                x_qp: tuple[float, int], output: Output, geometry: tuple[list[int], ...] | None, post_op: str,
                accum_qp: tuple[float, int] | None, shared: list[Any]) -> Any:
     """A ``_dnnl.Primitive``, or None where this oneDNN has no implementation for it (the caller then runs the
     torch op, whose newer oneDNN may have one). ``shared``: the layer's primitives that own their reordered weights
     (one per layout); a new one uses those of the layout oneDNN picks for its input shape and thread count, if
-    there, and joins the list otherwise, so a layer run at several batch sizes mostly holds one copy."""
+    there, and joins the list otherwise, so a layer run at several batch sizes mostly holds one copy. ``weight``
+    given as a function (the layer keeps no plain copy): the plain weight is made only where no primitive in
+    ``shared`` has the layout, for the reorder, and dropped after it."""
     assert _dnnl is not None
+    arguments = (weight_dims, src_dims, src_strides, dst_dims, dst_strides,
+                 "f32" if output[2] == torch.float32 else "u8", scales.to(torch.float32).numpy().tobytes(),
+                 None if bias is None else bias.to(torch.float32).numpy().tobytes(), *x_qp, *output[:2], geometry,
+                 _eltwise(post_op), accum_qp, shared)
     try:
-        primitive = _dnnl.Primitive(
-            weight.data_ptr(), weight_dims, src_dims, src_strides, dst_dims, dst_strides,
-            "f32" if output[2] == torch.float32 else "u8", scales.to(torch.float32).numpy().tobytes(),
-            None if bias is None else bias.to(torch.float32).numpy().tobytes(), *x_qp, *output[:2], geometry,
-            _eltwise(post_op), accum_qp, shared)
+        try:
+            primitive = _dnnl.Primitive(None if callable(weight) else weight.data_ptr(), *arguments)
+        except LookupError:  # only raised for a function: no shared layout fits
+            assert callable(weight)
+            plain = weight()
+            primitive = _dnnl.Primitive(plain.data_ptr(), *arguments)
     except RuntimeError:
         return None
     if all(primitive.weights_address != owner.weights_address for owner in shared):
@@ -191,12 +201,13 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
     return chosen
 
 
-def linear(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, shape: tuple[int, ...],
-           x_qp: tuple[float, int], output: Output, post_op: str,
+def linear(weight: Weight, out_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
+           shape: tuple[int, ...], x_qp: tuple[float, int], output: Output, post_op: str,
            shared: list[Any]) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """A call ``f(a)`` running this Linear on uint8 inputs of ``shape`` (..., in_features); arguments and None as
+    """A call ``f(a)`` running this Linear on uint8 inputs of ``shape`` (..., in_features); ``weight``: plain int8
+    (out_features, in_features), or a function making it (see ``_primitive``); other arguments and None as
     ``conv``."""
-    rows, (out_features, in_features) = shape[:-1], weight.shape
+    rows, in_features = shape[:-1], shape[-1]
     m = 1
     for size in rows:
         m *= size

@@ -2,9 +2,10 @@
 
 Packing happens once, at convert: the torch ops' own packed weight (``onednn::qlinear_prepack`` /
 ``qconv_prepack``), the plain int8 weight for fxquant's own primitives (:mod:`fxquant.kernels.onednn.direct`), and,
-where it is exact, the input zero point folded into a float bias. A Linear that has the plain weight packs the
-ops' copy only when a call first needs it (:meth:`OnednnWeight.op_weight`): fxquant's primitives run its calls, so
-that copy would only double its int8 bytes. Everything a call does besides running its kernel
+where it is exact, the input zero point folded into a float bias. A Linear on fxquant's primitives keeps one int8
+copy, the one reordered into oneDNN's layout (:func:`pack_linear`): the plain weight is reordered back from it where
+it is read (:meth:`OnednnWeight.unpacked`), and the ops' copy is packed only when a call first needs it
+(:meth:`OnednnWeight.op_weight`). Everything a call does besides running its kernel
 depends only on the input's shape, the thread count and the layer's qparams, so it is decided once per such key and
 kept on the weight (:func:`bound`); what that saves is measured in ``docs/backends.md`` ("What else the backend does").
 """
@@ -23,6 +24,7 @@ from fxquant.kernels.plain_int8 import weight_scale
 from fxquant.qparams import QParams
 
 SHAPES_PER_WEIGHT = 4  # (input shape, threads) a conv weight is repacked for (e.g. batch 1 and a serving batch)
+ROW_BLOCK = 64  # outputs reordered back together for a few rows (oneDNN's int8 layouts block outputs by 64 or less)
 CALLS_PER_WEIGHT = 16  # bound calls kept per weight (input shape x threads x output kind); more are built per call
 Call = Callable[..., torch.Tensor]
 
@@ -53,6 +55,7 @@ class OnednnWeight:
     folded: tuple[tuple[float, int], torch.Tensor] | None = None
     calls: dict[tuple[Any, ...], Call] = field(default_factory=dict, compare=False)  # see ``bound``
     plain: torch.Tensor | None = None  # the int8 weight, contiguous, for primitives built directly (onednn_direct)
+    shape: tuple[int, ...] = ()  # the int8 weight's
     shared: list[Any] = field(default_factory=list, compare=False)  # those owning their weights (one per layout)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
@@ -62,13 +65,44 @@ class OnednnWeight:
         return replace(self, calls={}, shared=list(self.shared))
 
     def op_weight(self) -> torch.Tensor:
-        """The weight packed for the torch ops (``onednn::qlinear_prepack`` for a Linear, packed from ``plain`` on
-        first use)."""
+        """The weight packed for the torch ops (``onednn::qlinear_prepack`` for a Linear, packed from the plain
+        weight on first use)."""
         if self.packed is None:
-            assert self.plain is not None, "a Linear weight packs lazily only from its plain copy"
-            object.__setattr__(self, "packed", torch.ops.onednn.qlinear_prepack(self.plain, None))
+            object.__setattr__(self, "packed", torch.ops.onednn.qlinear_prepack(self.unpacked(), None))
             assert self.packed is not None
         return self.packed
+
+    def holds_weight(self) -> bool:
+        """Whether the primitives hold the only int8 copy of the weight (:func:`pack_linear`)."""
+        return self.plain is None and bool(self.shared)
+
+    def unpacked(self) -> torch.Tensor:
+        """The plain int8 weight: ``plain``, or, where the primitives hold the only copy, a new tensor reordered
+        back from theirs (byte for byte: a reorder only moves bytes)."""
+        if self.plain is not None:
+            return self.plain
+        assert self.holds_weight(), "packed for the torch ops only: the layer keeps the plain weight"
+        plain = torch.empty(self.shape, dtype=torch.int8)
+        self.shared[0].unpack(plain.data_ptr())
+        return plain
+
+    def rows(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The plain int8 rows of the outputs ``outputs`` (1-d indices; ``IndexError`` outside the weight), read
+        back by blocks of :data:`ROW_BLOCK` outputs from the primitives' copy where they hold it: a tied embedding's
+        lookup of a decode step reorders one block, not the whole head."""
+        if not self.holds_weight():
+            return self.unpacked().index_select(0, outputs)
+        out_features, in_features = self.shape
+        if outputs.numel() and (int(outputs.min()) < 0 or int(outputs.max()) >= out_features):
+            raise IndexError("index out of range in self")
+        blocks, inverse = torch.unique(outputs.div(ROW_BLOCK, rounding_mode="floor"), return_inverse=True)
+        read = torch.empty(len(blocks), ROW_BLOCK, in_features, dtype=torch.int8)
+        try:
+            for block, first in zip(read, blocks.mul(ROW_BLOCK).tolist(), strict=True):
+                self.shared[0].unpack(block.data_ptr(), first, min(ROW_BLOCK, out_features - first))
+        except RuntimeError:  # a layout whose blocks of outputs do not divide ROW_BLOCK
+            return self.unpacked().index_select(0, outputs)
+        return read.view(-1, in_features).index_select(0, inverse * ROW_BLOCK + outputs % ROW_BLOCK)
 
     def for_input(self, shape: tuple[int, ...]) -> torch.Tensor:
         """The weight packed for inputs of ``shape`` at the current thread count (packed on first use), or the
@@ -91,7 +125,28 @@ def pack_linear(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
     With fxquant's primitives the op's copy is packed when a call first needs it (:meth:`OnednnWeight.op_weight`).
     """
     packed = None if onednn_direct.available() else torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
-    return _onednn_weight(weight, w_qp, bias, packed, folded=_foldable(weight, in_qp))
+    w = _onednn_weight(weight, w_qp, bias, packed, folded=_foldable(weight, in_qp))
+    _hold_alone(w)
+    return w
+
+
+def _hold_alone(w: OnednnWeight) -> None:
+    """Reorder a Linear's weight into oneDNN's layout now and drop the plain copy: the layout is the one oneDNN picks
+    for one row of input (a decode step; on an AVX512-VNNI CPU the same for 1 to 512 rows at one and two threads),
+    and later primitives use it or reorder from a plain copy made back from it (``onednn_direct._primitive``). Without this, a layer held its plain
+    int8 weight beside oneDNN's copy: twice its int8 bytes. The plain copy stays where no primitive can be built,
+    or where the reorder back does not give it exactly."""
+    if w.plain is None:
+        return
+    out_features, in_features = w.shape
+    primitive = onednn_direct.linear(w.plain, out_features, w.scale, None, (1, in_features), (1.0, 0),
+                                     (1.0, 0, torch.float32), "none", w.shared)
+    if primitive is None:
+        return
+    plain = w.plain
+    object.__setattr__(w, "plain", None)
+    if not torch.equal(w.unpacked(), plain):
+        object.__setattr__(w, "plain", plain)
 
 
 def pack_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec,
@@ -136,7 +191,8 @@ def _onednn_weight(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | Non
     zero_point = torch.zeros(scale.shape, dtype=torch.int64)
     plain = weight.contiguous() if onednn_direct.available() else None
     return OnednnWeight(packed, scale, zero_point, float_bias, spec, tuple(weight.shape[2:]), int(weight.shape[0]),
-                        repack, height_one=height_one, folded=with_zero_point, plain=plain)
+                        repack, height_one=height_one, folded=with_zero_point, plain=plain,
+                        shape=tuple(weight.shape))
 
 
 def _foldable(weight: torch.Tensor, in_qp: QParams | None) -> tuple[float, int] | None:
@@ -159,11 +215,14 @@ def operands(w: OnednnWeight, qp: QParams) -> tuple[float, int, torch.Tensor | N
     return scale, zero_point, w.bias
 
 
-def direct_weight(w: OnednnWeight) -> torch.Tensor | None:
-    """The weight to build a oneDNN primitive from (onednn_direct) for the next call bound for ``w``, or None for the
-    torch op: no oneDNN library, or a full cache (building a primitive costs far more than a call, and a call past
-    the cache binds afresh each time)."""
-    return w.plain if len(w.calls) < CALLS_PER_WEIGHT else None
+def direct_weight(w: OnednnWeight) -> onednn_direct.Weight | None:
+    """The weight to build a oneDNN primitive from (onednn_direct) for the next call bound for ``w`` (the plain
+    weight, or where the primitives hold the only copy, :meth:`OnednnWeight.unpacked`), or None for the torch op:
+    no oneDNN library, or a full cache (building a primitive costs far more than a call, and a call past the cache
+    binds afresh each time)."""
+    if len(w.calls) >= CALLS_PER_WEIGHT:
+        return None
+    return w.unpacked if w.holds_weight() else w.plain
 
 
 def bound(w: OnednnWeight, key: tuple[Any, ...], bind: Callable[[], Call]) -> Call:

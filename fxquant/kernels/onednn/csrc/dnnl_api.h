@@ -6,7 +6,7 @@ kernel itself (docs/backends.md). Here all of that is built once (``Primitive(..
 pointers and executes.
 
 Files: dnnl_api.h (the declarations), loader.c (dlopen and the function table), primitive.c (the Primitive type),
-module.c (the module).
+reorder.c (weights from one layout into another), module.c (the module).
 
 The library is not linked: ``load(path)`` dlopens the libdnnl.so.3 of the ``onednn-cpu-gomp`` wheel and resolves the
 functions below, so fxquant builds and runs without it (the onednn backend then calls the torch ops). That library
@@ -63,6 +63,7 @@ typedef struct {
     dnnl_status_t (*memory_desc_create_with_tag)(handle_t *, int, const int64_t *, int, int);
     dnnl_status_t (*memory_desc_destroy)(handle_t);
     dnnl_status_t (*memory_desc_clone)(handle_t *, chandle_t);
+    dnnl_status_t (*memory_desc_create_submemory)(handle_t *, chandle_t, const int64_t *, const int64_t *);
     int (*memory_desc_equal)(chandle_t, chandle_t);
     dnnl_status_t (*memory_get_data_handle)(chandle_t, void **);
     size_t (*memory_desc_get_size)(chandle_t);
@@ -98,5 +99,12 @@ extern HIDDEN DnnlApi api;              /* resolved by load() (loader.c) */
 extern HIDDEN handle_t engine, stream;  /* NULL until load() succeeds */
 extern HIDDEN PyTypeObject PrimitiveType;
 HIDDEN PyObject *dnnl_load(PyObject *self, PyObject *args);
+/* the weights at ``src`` (layout ``src_md``) written at ``dst`` in layout ``dst_md``; -1 with a Python error */
+HIDDEN int reorder_weights(chandle_t src_md, void *src, chandle_t dst_md, void *dst);
+/* a Linear's outputs ``first`` to ``first + count`` of the weights in layout ``weights_md`` (matmul's (K, N)), written
+   at ``rows`` as (count, in_features) int8: oneDNN takes such a range only where it starts and ends on its blocks of
+   outputs (-1 with a RuntimeError otherwise) */
+HIDDEN int unpack_outputs(chandle_t weights_md, void *weights, int64_t in_features, int64_t first, int64_t count,
+                          void *rows);
 
 #endif

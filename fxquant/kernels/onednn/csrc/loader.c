@@ -13,6 +13,7 @@ static const struct { void **slot; const char *name; } symbols[] = {
     SYMBOL(memory_desc_create_with_tag, "dnnl_memory_desc_create_with_tag"),
     SYMBOL(memory_desc_destroy, "dnnl_memory_desc_destroy"),
     SYMBOL(memory_desc_clone, "dnnl_memory_desc_clone"),
+    SYMBOL(memory_desc_create_submemory, "dnnl_memory_desc_create_submemory"),
     SYMBOL(memory_desc_equal, "dnnl_memory_desc_equal"),
     SYMBOL(memory_get_data_handle, "dnnl_memory_get_data_handle"),
     SYMBOL(memory_desc_get_size, "dnnl_memory_desc_get_size"),

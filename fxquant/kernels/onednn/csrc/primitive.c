@@ -18,6 +18,8 @@ typedef struct {
     float *constants;                             /* scales and bias the owned memories point to */
     int busy;                                     /* a call is using ``memories``: another makes its own */
     handle_t weights_md;                          /* the layout the weights were reordered into */
+    handle_t plain_md;                            /* ... and the plain layout they came from (for unpack) */
+    int64_t in_features;                          /* a Linear's (0: a conv) */
     void *weights;                                /* ... and where they are */
     PyObject *donor;                              /* the primitive whose weights these are, if shared */
 } Primitive;
@@ -80,6 +82,7 @@ static void Primitive_dealloc(Primitive *p) {
     for (int i = 0; i < 3; i++)
         if (*mds[i]) api.memory_desc_destroy(*mds[i]);
     if (p->weights_md) api.memory_desc_destroy(p->weights_md);
+    if (p->plain_md) api.memory_desc_destroy(p->plain_md);
     free(p->scratchpad);
     free(p->constants);
     Py_XDECREF(p->donor);  /* after the memories over its weights are gone */
@@ -108,7 +111,8 @@ static void free_memories(CallMemories *m) {
    conv: None for a Linear, else (strides, dilations (oneDNN's: 0 = dense), padding_l, padding_r);
    eltwise: None or (algorithm, alpha, beta); sum: None or (scale, zero_point): dst += scale * (dst_before - zp);
    share: Primitives built from the same weight (other input shapes or thread counts): where oneDNN chose the layout
-   of one of them, its reordered weights are used, not a copy. */
+   of one of them, its reordered weights are used, not a copy. weight_ptr None: the weights must come from ``share``
+   (the caller keeps no plain copy); LookupError where none of them has the chosen layout. */
 static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
     PyObject *weight_address, *weight_dims_seq, *src_dims_seq, *src_strides_seq, *dst_dims_seq, *dst_strides_seq;
     PyObject *bias_obj, *conv, *eltwise, *sum, *share = NULL;
@@ -129,8 +133,7 @@ static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwa
     int64_t src_strides[DNNL_MAX_NDIMS], dst_dims[DNNL_MAX_NDIMS], dst_strides[DNNL_MAX_NDIMS];
     int64_t conv_strides[DNNL_MAX_NDIMS], dilations[DNNL_MAX_NDIMS], pad_l[DNNL_MAX_NDIMS], pad_r[DNNL_MAX_NDIMS];
     Primitive *p = (Primitive *)type->tp_alloc(type, 0);
-    handle_t weight_md = NULL, bias_md = NULL, attr = NULL, post_ops = NULL, pd = NULL, plain_md = NULL;
-    handle_t plain = NULL, reorder_pd = NULL, reorder = NULL;
+    handle_t weight_md = NULL, bias_md = NULL, attr = NULL, post_ops = NULL, pd = NULL;
     Py_buffer bias = {0};
     if (p == NULL) {
         PyBuffer_Release(&weight_scales);
@@ -143,7 +146,7 @@ static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwa
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "dims and strides do not match");
         goto fail;
     }
-    void *weight_data = PyLong_AsVoidPtr(weight_address);
+    void *weight_data = weight_address == Py_None ? NULL : PyLong_AsVoidPtr(weight_address);
     if (PyErr_Occurred()) goto fail;
     int64_t out_channels = dst_dims[1], n_scales = (int64_t)(weight_scales.len / sizeof(float));
     if (bias_obj != Py_None && PyObject_GetBuffer(bias_obj, &bias, PyBUF_SIMPLE) < 0) goto fail;
@@ -177,9 +180,12 @@ static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwa
         int64_t o = weight_dims[0], o_stride = weight_strides[0];
         weight_dims[0] = weight_dims[1], weight_strides[0] = weight_strides[1];
         weight_dims[1] = o, weight_strides[1] = o_stride;
+        p->in_features = weight_dims[0];
     }
     CHECK(api.memory_desc_create_with_tag(&weight_md, weight_ndims, weight_dims, dnnl_s8, dnnl_format_tag_any),
           "weights md");
+    CHECK(api.memory_desc_create_with_strides(&p->plain_md, weight_ndims, weight_dims, dnnl_s8, weight_strides),
+          "plain weights md");
     if (bias.buf) {
         int64_t bias_dims[2] = {1, out_channels}, bias_strides[2] = {out_channels, 1};
         CHECK(api.memory_desc_create_with_strides(&bias_md, matmul ? 2 : 1, matmul ? bias_dims : bias_dims + 1,
@@ -248,17 +254,14 @@ static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwa
         CHECK(api.memory_create(&packed, packed_md, engine, donor->weights), "shared weights memory");
         p->owned[p->n_owned++] = packed;
         p->weights = donor->weights;
+    } else if (weight_data == NULL) {
+        PyErr_SetString(PyExc_LookupError, "no primitive in share holds the weights in the layout chosen");
+        goto fail;
     } else {
         CHECK(api.memory_create(&packed, packed_md, engine, DNNL_MEMORY_ALLOCATE), "weights memory");
         p->owned[p->n_owned++] = packed;
         CHECK(api.memory_get_data_handle(packed, &p->weights), "weights address");
-        CHECK(api.memory_desc_create_with_strides(&plain_md, weight_ndims, weight_dims, dnnl_s8, weight_strides),
-              "plain weights md");
-        CHECK(api.memory_create(&plain, plain_md, engine, weight_data), "plain weights memory");
-        CHECK(api.reorder_primitive_desc_create(&reorder_pd, plain_md, engine, packed_md, engine, NULL), "reorder");
-        CHECK(api.primitive_create(&reorder, reorder_pd), "reorder primitive");
-        dnnl_exec_arg_t reorder_args[2] = {{DNNL_ARG_SRC, plain}, {DNNL_ARG_DST, packed}};
-        CHECK(api.primitive_execute(reorder, stream, 2, reorder_args), "weights reorder");
+        if (reorder_weights(p->plain_md, weight_data, packed_md, p->weights) < 0) goto fail;
     }
 
     chandle_t scratchpad_md = api.primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0);
@@ -289,10 +292,6 @@ static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwa
 fail:
     Py_CLEAR(p);
 done:
-    if (reorder) api.primitive_destroy(reorder);
-    if (reorder_pd) api.primitive_desc_destroy(reorder_pd);
-    if (plain) api.memory_destroy(plain);
-    if (plain_md) api.memory_desc_destroy(plain_md);
     if (pd) api.primitive_desc_destroy(pd);
     if (post_ops) api.post_ops_destroy(post_ops);
     if (attr) api.primitive_attr_destroy(attr);
@@ -347,8 +346,24 @@ static PyObject *Primitive_run(Primitive *p, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* unpack(address, first=0, count=-1): the weights, reordered back into the plain layout they were built from,
+   written at ``address``; with ``count`` >= 0 (a Linear's), only outputs ``first`` to ``first + count``, as
+   (count, in_features) rows (``unpack_weights``). */
+static PyObject *Primitive_unpack(Primitive *p, PyObject *args) {
+    PyObject *address;
+    long long first = 0, count = -1;
+    if (!PyArg_ParseTuple(args, "O|LL", &address, &first, &count)) return NULL;
+    void *plain = PyLong_AsVoidPtr(address);
+    if (PyErr_Occurred()) return NULL;
+    if (count < 0 ? reorder_weights(p->weights_md, p->weights, p->plain_md, plain)
+                  : unpack_outputs(p->weights_md, p->weights, p->in_features, first, count, plain))
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Primitive_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Primitive_run, METH_FASTCALL, "run(src_address, dst_address)"},
+    {"unpack", (PyCFunction)Primitive_unpack, METH_VARARGS, "unpack(address): the plain int8 weights, written there"},
     {NULL, NULL, 0, NULL},
 };
 
