@@ -131,11 +131,11 @@ def pack_linear(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
 
 
 def _hold_alone(w: OnednnWeight) -> None:
-    """Reorder a Linear's weight into oneDNN's layout now and drop the plain copy: the layout is the one oneDNN picks
-    for one row of input (a decode step; on an AVX512-VNNI CPU the same for 1 to 512 rows at one and two threads),
-    and later primitives use it or reorder from a plain copy made back from it (``onednn_direct._primitive``). Without this, a layer held its plain
-    int8 weight beside oneDNN's copy: twice its int8 bytes. The plain copy stays where no primitive can be built,
-    or where the reorder back does not give it exactly."""
+    """Reorder a Linear's weight into oneDNN's layout now and drop the plain copy, which would double the layer's
+    int8 bytes. The layout is the one oneDNN picks for one row of input (a decode step; on an AVX512-VNNI CPU the same
+    for 1 to 512 rows at one and two threads); later primitives use it, or reorder from a plain copy made back from
+    it (``onednn_direct._primitive``). The plain copy stays where no primitive can be built, or where the reorder
+    back does not give it exactly."""
     if w.plain is None:
         return
     out_features, in_features = w.shape
