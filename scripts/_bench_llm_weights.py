@@ -46,8 +46,17 @@ def _resident_state(module: nn.Module) -> list[Any]:
     """The state dict's values that ``state_dict()`` does not make anew: two calls, both alive, give them the same
     storage (tensors made on each call cannot share an address while both exist)."""
     first, second = module.state_dict(keep_vars=True), module.state_dict(keep_vars=True)
-    return [value for key, value in first.items()
-            if not isinstance(value, torch.Tensor) or _storage(value)[0] == _storage(second[key])[0]]
+    return [value for key, value in first.items() if _same_tensor(value, second[key])]
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """The same object, or tensors on the same storage (torch.ao's packed weights unpack to new tensors on theirs)."""
+    if a is b or not isinstance(a, torch.Tensor):
+        return True
+    try:
+        return bool(_storage(a)[0] == _storage(b)[0])
+    except RuntimeError:  # a wrapper subclass (torchao's) made anew: no storage of its own
+        return False
 
 
 def _storage(tensor: Any) -> tuple[int, int]:
