@@ -348,7 +348,7 @@ static PyObject *Primitive_run(Primitive *p, PyObject *const *args, Py_ssize_t n
 
 /* unpack(address, first=0, count=-1): the weights, reordered back into the plain layout they were built from,
    written at ``address``; with ``count`` >= 0 (a Linear's), only outputs ``first`` to ``first + count``, as
-   (count, in_features) rows (``unpack_weights``). */
+   (count, in_features) rows (``unpack_outputs``). */
 static PyObject *Primitive_unpack(Primitive *p, PyObject *args) {
     PyObject *address;
     long long first = 0, count = -1;
@@ -363,7 +363,8 @@ static PyObject *Primitive_unpack(Primitive *p, PyObject *args) {
 
 static PyMethodDef Primitive_methods[] = {
     {"run", (PyCFunction)(void (*)(void))Primitive_run, METH_FASTCALL, "run(src_address, dst_address)"},
-    {"unpack", (PyCFunction)Primitive_unpack, METH_VARARGS, "unpack(address): the plain int8 weights, written there"},
+    {"unpack", (PyCFunction)Primitive_unpack, METH_VARARGS,
+     "unpack(address, first=0, count=-1): the plain int8 weights (or some outputs' rows), written there"},
     {NULL, NULL, 0, NULL},
 };
 
