@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import platform
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,9 @@ from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.registry import get_backend
 from fxquant.nn.quantized import QuantizedLinear
 from fxquant.qparams import QParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from _bench_llm_weights import weight_bytes  # scripts/ is not a package
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not onednn_direct.available(),
                                 reason=f"fxquant's oneDNN primitives do not run here: {onednn_direct.status()}")
@@ -143,3 +148,19 @@ def test_rows_are_read_back_by_blocks_of_outputs(monkeypatch: pytest.MonkeyPatch
     for wrong in (70, -1):
         with pytest.raises(IndexError):
             held.rows(torch.tensor([3, wrong]))
+
+
+def test_the_benchmarks_weight_count_sees_one_copy() -> None:
+    """``bench_llm.py``'s weights column counts the primitives' reordered copies, and not the plain weight that
+    ``state_dict()`` reads back on each call (it is not resident)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256)).eval()
+    x = torch.randn(8, 256)
+    prepared = fxquant.prepare(model, (x,), fxquant.QuantConfig(backend="onednn"))
+    prepared(x)
+    held = fxquant.convert(prepared)
+    reordered = sum(p.weights_bytes for layer in _linears(held) for p in layer._packed.payload.shared)
+    int8 = sum(layer.weight.numel() for layer in _linears(held))
+    assert reordered >= int8
+    # beside the reordered copy: scales, biases, qparams, calibration statistics; a plain copy would add ``int8``
+    assert reordered <= weight_bytes(held) < reordered + int8
