@@ -120,12 +120,12 @@ class _QuantizedWeighted(_BackendModule):
         super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
-        held = self._held()
-        if held:
+        if self._held():
             self._buffers["weight"] = self.weight
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if held:  # the loaded weight, packed again (the primitives hold copies of the old one)
-            self.relower(self.backend)
+        # packed again from the loaded weight, scales and bias: the packed weight and the kernels' own copies (oneDNN's
+        # primitives, fbgemm's packing) hold the old ones
+        self.relower(self.backend)
 
     def dequantized_weight(self) -> torch.Tensor:
         return dequantize(self.weight, self.w_qp)

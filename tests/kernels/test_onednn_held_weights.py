@@ -18,7 +18,7 @@ from torch import nn
 import fxquant
 from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.registry import get_backend
-from fxquant.nn.quantized import QuantizedLinear
+from fxquant.nn.quantized import QuantizedConvNd, QuantizedLinear
 from fxquant.qparams import QParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
@@ -164,3 +164,27 @@ def test_the_benchmarks_weight_count_sees_one_copy() -> None:
     assert reordered >= int8
     # beside the reordered copy: scales, biases, qparams, calibration statistics; a plain copy would add ``int8``
     assert reordered <= weight_bytes(held) < reordered + int8
+
+
+def test_loading_a_state_dict_repacks_a_conv_too() -> None:
+    """A conv keeps its plain weight, but its primitives and the op's packing hold copies of it: loaded weights
+    reach them as well."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()).eval()
+    x = torch.randn(2, 3, 10, 10)
+    prepared = fxquant.prepare(model, (x,), fxquant.QuantConfig(backend="onednn"))
+    prepared(x)
+    converted = fxquant.convert(prepared)
+    conv = next(m for m in converted.modules() if isinstance(m, QuantizedConvNd))
+    onednn = get_backend("onednn")
+    a = onednn.quantize(x, conv.in_qp)
+    before = conv(a)
+    state = converted.state_dict()
+    key = next(k for k in state if k.endswith("weight") and state[k].dtype == torch.int8)
+    state[key] = -state[key]
+    converted.load_state_dict(state)
+    fresh = onednn.prepack_conv(conv.weight.clone(), conv.w_qp, conv.bias, conv.spec, in_qp=conv.in_qp)
+    after = conv(a)
+    run = onednn.conv_to_float if conv.float_output else onednn.conv  # (float: the model's output)
+    assert torch.equal(after, run(a, fresh, conv.in_qp, conv.out_qp, relu=conv.relu))
+    assert not torch.equal(after, before)
