@@ -31,8 +31,8 @@ OUT_QP = QParams(torch.tensor(0.37), torch.tensor(11), 0, 255)
 FLOAT = (1.0, 0, torch.float32)
 
 
-def _converted(backend: str, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
-    torch.manual_seed(seed)
+def _converted(backend: str) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(33, 70), nn.ReLU(), nn.Linear(70, 17)).eval()
     x = torch.randn(16, 33)
     prepared = fxquant.prepare(model, (x,), fxquant.QuantConfig(backend=backend))
@@ -183,6 +183,7 @@ def test_loading_a_state_dict_repacks_a_conv_too() -> None:
     key = next(k for k in state if k.endswith("weight") and state[k].dtype == torch.int8)
     state[key] = -state[key]
     converted.load_state_dict(state)
+    assert torch.equal(conv.weight, state[key])
     fresh = onednn.prepack_conv(conv.weight.clone(), conv.w_qp, conv.bias, conv.spec, in_qp=conv.in_qp)
     after = conv(a)
     run = onednn.conv_to_float if conv.float_output else onednn.conv  # (float: the model's output)
