@@ -99,10 +99,11 @@ def quantize_into(out: torch.Tensor, x: torch.Tensor, params: QuantizeParams, *,
     value (``quantize_f32``): in ``x``'s memory order, or with ``to_nhwc`` from a contiguous (N, C, ...) ``x`` into
     a channels-last ``out`` in the same pass."""
     assert loader.loops is not None and x.dtype == torch.float32 and out.numel() == x.numel()
-    assert out.dtype in (torch.uint8, torch.int8)
+    info = torch.iinfo(out.dtype)
+    assert out.dtype in (torch.uint8, torch.int8) and info.min <= params.qmin <= params.qmax <= info.max
     outer, channels = (x.shape[0], x.shape[1]) if to_nhwc else (1, 1)
     planes = Planes(outer, channels, x.numel() // max(outer * channels, 1))
-    extension.quantize_f32(x.data_ptr(), out.data_ptr(), planes, params, out.dtype == torch.int8, to_nhwc)
+    extension.quantize_f32(x.data_ptr(), out.data_ptr(), planes, params, to_nhwc)
     return out
 
 

@@ -284,6 +284,13 @@ def test_chunked_quantize_equals_the_formula(name: str, shape: tuple[int, ...], 
 
 @pytest.mark.parametrize(("shape", "channels_last", "dtype"), [((2, 3, 9, 7), True, torch.uint8),
                                                                ((2, 3, 9, 7), False, torch.int8),
+                                                               # NHWC interleave: 2, 3, 4 channels, then groups of
+                                                               # four and a remainder; 323 positions: a block's tail
+                                                               ((2, 3, 17, 19), True, torch.int8),
+                                                               ((1, 2, 17, 19), True, torch.uint8),
+                                                               ((1, 4, 17, 19), True, torch.int8),
+                                                               ((2, 5, 17, 19), True, torch.uint8),
+                                                               ((1, 8, 33, 9), True, torch.int8),
                                                                ((5, 300), False, torch.uint8),
                                                                ((1, 64, 1, 1), True, torch.uint8)])
 def test_the_c_quantize_takes_float32_inputs(shape: tuple[int, ...], channels_last: bool, dtype: torch.dtype) -> None:

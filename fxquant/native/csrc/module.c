@@ -59,15 +59,16 @@ static PyObject *scan_f32(PyObject *self, PyObject *args) {
     return Py_BuildValue("ddO", (double)result.lo, (double)result.hi, result.on_grid ? Py_True : Py_False);
 }
 
-/* quantize_f32(x_ptr, out_ptr, (outer, channels, inner), (scale, zero_point, qmin, qmax), signed_out, to_nhwc) */
+/* quantize_f32(x_ptr, out_ptr, (outer, channels, inner), (scale, zero_point, qmin, qmax), to_nhwc): the
+ * output's bytes are the same for uint8 and int8 (qmin, qmax say which) */
 static PyObject *quantize_f32(PyObject *self, PyObject *args) {
     unsigned long long x_addr, out_addr;
     Planes shape;
     QuantizeParams q;
-    int signed_out, to_nhwc;
+    int to_nhwc;
     (void)self;
-    if (!PyArg_ParseTuple(args, "KK(LLL)(dLLL)pp", &x_addr, &out_addr, &shape.outer, &shape.channels, &shape.inner,
-                          &q.scale, &q.zero_point, &q.qmin, &q.qmax, &signed_out, &to_nhwc))
+    if (!PyArg_ParseTuple(args, "KK(LLL)(dLLL)p", &x_addr, &out_addr, &shape.outer, &shape.channels, &shape.inner,
+                          &q.scale, &q.zero_point, &q.qmin, &q.qmax, &to_nhwc))
         return NULL;
     if (shape.outer < 0 || shape.channels < 1 || shape.inner < 0 || !(q.scale > 0) || q.qmin > q.qmax ||
         q.qmin < -128 || q.qmax > 255) {
@@ -75,7 +76,7 @@ static PyObject *quantize_f32(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    fxq_quantize_f32(PTR(const float, x_addr), PTR(void, out_addr), &shape, &q, signed_out, to_nhwc);
+    fxq_quantize_f32(PTR(const float, x_addr), PTR(void, out_addr), &shape, &q, to_nhwc);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

@@ -115,7 +115,7 @@ typedef struct {
 } ByteRows;
 
 FXQ_INTERNAL void fxq_quantize_f32(const float *x, void *out, const Planes *shape, const QuantizeParams *q,
-                                   int signed_out, int to_nhwc);
+                                   int to_nhwc);
 /* 0, or -1 where the per-channel sums could not be allocated (nothing written). */
 FXQ_INTERNAL int fxq_mean_u8(const uint8_t *x, uint8_t *out, const Planes *shape, const PlaneStrides *strides,
                              const ByteLevels *levels);

@@ -1,0 +1,29 @@
+"""The INT8 peak that ``scripts/benchmark.py`` divides by: ``VPDPBUSD zmm`` issue rate measured, not assumed."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from fxquant.native.isa import has_amx_int8
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from _bench_peak import clock_ghz, peak_line, vnni_per_second  # scripts/ is not a package
+
+
+def test_the_vnni_probe_reads_one_or_two_instructions_per_cycle() -> None:
+    """A core issues one (Zen 4: 512-bit ops over 256-bit pipes) or two (two 512-bit pipes) ``VPDPBUSD zmm`` per
+    cycle; the probe's rate over the measured clock must be one of those, within the noise of a shared machine."""
+    rate = vnni_per_second()
+    if rate is None:
+        pytest.skip("no AVX512-VNNI on this CPU (or FXQUANT_ISA caps it), or no C compiler: the peak is assumed")
+    ghz, how = clock_ghz()
+    if not how.startswith("measured"):
+        pytest.skip(f"the clock is not measured here ({how})")
+    per_cycle = rate / 1e9 / ghz
+    assert min(abs(per_cycle - 1), abs(per_cycle - 2)) < 0.2, per_cycle
+    if not has_amx_int8():  # with AMX the peak is the tiles'
+        line = peak_line("row", macs=int(rate * 64), ms=1000.0, who="probe")  # the peak, for one second
+        assert "= 100.0% of VNNI peak" in line and "measured" in line, line
