@@ -160,12 +160,11 @@ def run_linear(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, 
     """A Linear on the rows of a contiguous ``a`` by a C loop (the engine's results), or None: no loop for this
     layer, an input the loop does not read (fewer than two dims, no features, not contiguous), no C loops in this
     process, a traced export, or a size where the engine's kernel is faster (:meth:`NativeConv.takes`)."""
-    if loop is None or a.dim() < 2 or not a.shape[-1] or not a.is_contiguous() or not native.available(loop.family) \
-            or torch.jit.is_tracing():
+    # the size rule first: it is what declines most calls (fbgemm's kernel above a few rows), in plain integers
+    if loop is None or a.dim() < 2 or not a.shape[-1] or not loop.takes(a.numel() // a.shape[-1]) \
+            or not a.is_contiguous() or not native.available(loop.family) or torch.jit.is_tracing():
         return None
     rows = a.reshape(-1, a.shape[-1])
-    if not loop.takes(rows.shape[0]):
-        return None
     if loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
         tiles = run_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
         return None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
