@@ -143,11 +143,13 @@ def _cpuinfo_mhz() -> float:
 
 
 def peak_line(what: str, macs: int, ms: float, who: str) -> str:
-    """``what: X GMAC/s = Y% of <ISA> peak (Z GHz x N MAC/cycle)`` for one core running ``macs`` in ``ms``."""
+    """``what: X GMAC/s = Y% of <ISA> peak (P GMAC/s; clock Z GHz) - ...`` for one core running ``macs`` in ``ms``,
+    saying how the peak and the clock were obtained."""
     ghz, how = clock_ghz()
     rate = macs / (ms / 1e3) / 1e9
-    vnni = None if has_amx_int8() else vnni_per_second()
-    if has_amx_int8():
+    amx = has_amx_int8()
+    vnni = None if amx else vnni_per_second()
+    if amx:
         isa, peak, assumption = "AMX", ghz * 1024, "TDPBUSD: 16384 MACs per 16 cycles, assumed"
     elif vnni is not None:
         isa, peak = "VNNI", vnni * 64 / 1e9

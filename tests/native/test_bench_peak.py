@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -26,4 +27,5 @@ def test_the_vnni_probe_reads_one_or_two_instructions_per_cycle() -> None:
     assert min(abs(per_cycle - 1), abs(per_cycle - 2)) < 0.2, per_cycle
     if not has_amx_int8():  # with AMX the peak is the tiles'
         line = peak_line("row", macs=int(rate * 64), ms=1000.0, who="probe")  # the peak, for one second
-        assert "= 100.0% of VNNI peak" in line and "measured" in line, line
+        fraction = re.search(r"= ([0-9.]+)% of VNNI peak", line)  # the line measures the probe again
+        assert fraction is not None and 90 < float(fraction.group(1)) < 110 and "measured" in line, line

@@ -115,8 +115,8 @@ VECTOR_CLONES static void quantize_loop(const float *x, void *out, int64_t outer
 }
 
 /* x: outer * channels * inner dense float32 values in that order (NCHW: outer = N, inner = H * W); out: as many
- * bytes (uint8 or int8: the bits of q are the same for both), in the same order, or with to_nhwc in outer * inner * channels order (NHWC,
- * i.e. torch.channels_last memory). One read and one write per value, where torch needs a pass per step and a
+ * bytes (uint8 or int8: the bits of q are the same for both), in the same order, or with to_nhwc in outer * inner *
+ * channels order (NHWC, i.e. torch.channels_last memory). One read and one write per value, where torch needs a pass per step and a
  * separate NCHW -> NHWC copy. */
 void fxq_quantize_f32(const float *x, void *out, const Planes *shape, const QuantizeParams *q, int to_nhwc) {
     const float fscale = (float)q->scale, lo = (float)(q->qmin - q->zero_point), hi = (float)(q->qmax - q->zero_point);
