@@ -50,34 +50,29 @@ static inline uint8_t quantized_byte(float x, float scale, float lo, float hi, i
     return (uint8_t)((int)quantized(x, scale, lo, hi) + zp);
 }
 
-/* dst[i * channels + c] = planes[c][i] for i < len: NHWC from per-channel blocks. A few channels interleave as one
- * pattern per position (the compiler's permutes); more go channel by channel, a strided byte store each. */
+/* dst[i * channels + c] = planes[c][i] for i < len: NHWC from per-channel blocks. Inlined with channels a constant
+ * (interleave, below), the inner loop unrolls into one pattern per position (the compiler's permutes). */
+__attribute__((always_inline)) static inline void interleave_as(uint8_t planes[][QUANT_BLOCK], uint8_t *dst,
+                                                                int64_t len, const int64_t channels) {
+    for (int64_t i = 0; i < len; i++)
+        for (int64_t c = 0; c < channels; c++) dst[i * channels + c] = planes[c][i];
+}
+
+/* interleave_as for 2-4 channels, each its own specialization (the caller hands wider inputs over in groups of
+ * QUANT_FEW channels, each stored channel by channel). */
 static inline void interleave(uint8_t planes[][QUANT_BLOCK], uint8_t *dst, int64_t len, int64_t channels) {
     switch (channels) {
     case 2:
-        for (int64_t i = 0; i < len; i++) {
-            dst[2 * i] = planes[0][i];
-            dst[2 * i + 1] = planes[1][i];
-        }
+        interleave_as(planes, dst, len, 2);
         return;
     case 3:
-        for (int64_t i = 0; i < len; i++) {
-            dst[3 * i] = planes[0][i];
-            dst[3 * i + 1] = planes[1][i];
-            dst[3 * i + 2] = planes[2][i];
-        }
+        interleave_as(planes, dst, len, 3);
         return;
     case 4:
-        for (int64_t i = 0; i < len; i++) {
-            dst[4 * i] = planes[0][i];
-            dst[4 * i + 1] = planes[1][i];
-            dst[4 * i + 2] = planes[2][i];
-            dst[4 * i + 3] = planes[3][i];
-        }
+        interleave_as(planes, dst, len, 4);
         return;
     default:
-        for (int64_t c = 0; c < channels; c++)
-            for (int64_t i = 0; i < len; i++) dst[i * channels + c] = planes[c][i];
+        interleave_as(planes, dst, len, channels);
     }
 }
 
