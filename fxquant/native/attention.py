@@ -1,6 +1,7 @@
-"""Typed wrapper of the causal attention loop (``fxquant/native/csrc/attention.c``): softmax(q k^T * scale, causal)
-v in float32 for a decoder's prefill, in one pass that never stores the scores (the converted transformers
-models' attention, :mod:`fxquant.runtime.hf_attention`)."""
+"""Typed wrappers of the attention loops in float32: the causal one (``fxquant/native/csrc/attention.c``), softmax(q
+k^T * scale, causal) v for a decoder's prefill in one pass that never stores the scores, and the full one
+(``full_attention.c``), softmax(q k^T * scale + mask) v over every key for an encoder (the converted models'
+attention: :mod:`fxquant.runtime.hf_attention`, :mod:`fxquant.runtime.attention`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import torch
 from fxquant.native import loader
 from fxquant.native.loader import extension
 
-MAX_DIM = 256  # head dims the loop takes: multiples of 16 up to this (FXQ_ATTENTION_MAX_DIM)
+MAX_DIM = 256  # head dims the loops take: multiples of 16 up to this (FXQ_ATTENTION_MAX_DIM)
+_MASK_NONE, _MASK_ADD, _MASK_KEEP = 0, 1, 2  # FXQ_MASK_*: no mask, float32 added to the scores, bool kept
 
 
 def _heads(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -28,3 +30,25 @@ def causal_attention_into(out: torch.Tensor, query: torch.Tensor, key: torch.Ten
     batch, heads, tokens, dim = query.shape
     return extension.causal_attention_f32(_heads(query), _heads(key), _heads(value), _heads(out),
                                           (batch, heads, key.shape[1], tokens, dim), scale)
+
+
+def full_attention_into(out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                        mask: torch.Tensor | None = None) -> bool:
+    """``out`` (batch, heads, q_tokens, dim) = softmax(query key^T * scale + mask) value over every key, from float32
+    ``query`` (batch, heads, q_tokens, dim) and ``key``, ``value`` (batch, kv_heads, kv_tokens, dim), as
+    :func:`causal_attention_into` takes them. ``mask``: None, float32 (added to the scores) or bool (True: the key
+    is seen), of shape (batch, heads, q_tokens, kv_tokens) or broadcasting to it (size-1 dims), dense along the
+    keys; a row whose every key is masked out gets zeros, as torch's CPU kernel gives. False (nothing written)
+    where the loop cannot run: no C extension, no AVX-512, or ``FXQUANT_ISA`` below it."""
+    if loader.loops_for("attention") is None:
+        return False
+    batch, heads, q_tokens, dim = query.shape
+    if mask is None:
+        mask_args = (0, _MASK_NONE, 0, 0, 0)
+    else:
+        shape, stride = mask.shape[:3], mask.stride()[:3]
+        strides = tuple(0 if size == 1 else step for size, step in zip(shape, stride, strict=True))
+        kind = _MASK_KEEP if mask.dtype == torch.bool else _MASK_ADD
+        mask_args = (mask.data_ptr(), kind, *strides)
+    return extension.full_attention_f32(_heads(query), _heads(key), _heads(value), _heads(out), mask_args,
+                                        (batch, heads, key.shape[1], q_tokens, key.shape[2], dim), scale)

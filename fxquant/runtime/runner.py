@@ -5,7 +5,9 @@ and ``nn.Module.__call__``, costs of the same order as an INT8 kernel at batch 1
 same graph from a list made once: each node's callable and argument slots resolved (one :class:`~fxquant.runtime.
 step.Step` per node), each value dropped after its last reader (as the generated code does), and layers called
 through ``forward`` directly; consecutive onednn layers are one step, replayed as recorded primitive calls
-(:mod:`fxquant.runtime.replay`). What each gains is measured in docs/backends.md ("The graph walk").
+(:mod:`fxquant.runtime.replay`); SDPA calls take fxquant's attention loops where the model runs INT8 layers on a
+kernel backend (:mod:`fxquant.runtime.attention`). What each gains is measured in docs/backends.md ("The graph
+walk", "Attention").
 
 It behaves as the generated code does, or steps aside:
 
@@ -26,7 +28,7 @@ from torch import fx, nn
 from torch.fx.node import map_arg
 from torch.nn.modules import module as module_globals
 
-from fxquant.runtime import replay
+from fxquant.runtime import attention, replay
 from fxquant.runtime.step import Step
 from fxquant.state import STATE_KEY
 
@@ -63,6 +65,7 @@ class GraphRunner:
             freed.setdefault(user, []).append(slot[used])
         placeholders: list[int] = []
         steps: list[Step] = []
+        fast_attention = attention.runs_fast(gm)
         parameters = []
         output: Any = None
         position: dict[fx.Node, int] = {}
@@ -83,6 +86,8 @@ class GraphRunner:
             # a module is found on every call, as the generated code does (it may have been replaced since), but
             # through the ``_modules`` dicts: no ``nn.Module.__getattr__`` per level
             target = tuple(node.target.split(".")) if node.op in ("call_module", "get_attr") else node.target
+            if fast_attention and node.op == "call_function" and node.target in attention.SDPA:
+                target = attention.scaled_dot_product_attention
             direct = all(isinstance(arg, fx.Node) for arg in node.args) and not node.kwargs
             steps.append(Step(slot[node], node.op, target, tuple(slot[arg] for arg in node.args) if direct else None,
                               _slotted(node.args, slot), _slotted(node.kwargs, slot), tuple(freed.get(node, ()))))

@@ -1,7 +1,7 @@
 /* fxquant.native._native: the entry points of the row loops an LLM's Linears use (weight_only.c, int8_rows.c,
- * int8_groups.c and elementwise.c's per-token quantize and rescale) and of its attention (attention.c), kept apart
- * from module.c for size; module.c's method table lists them (module_rows.h). The same conventions as module.c:
- * tuples per struct, checked arguments, the GIL released. */
+ * int8_groups.c and elementwise.c's per-token quantize and rescale) and of attention (attention.c,
+ * full_attention.c), kept apart from module.c for size; module.c's method table lists them (module_rows.h). The
+ * same conventions as module.c: tuples per struct, checked arguments, the GIL released. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -167,4 +167,38 @@ PyObject *fxq_py_causal_attention_f32(PyObject *self, PyObject *args) {
     p.v = PTR(const float, v_addr);
     p.out = PTR(float, out_addr);
     RUN_AND_RETURN(fxq_causal_attention_f32(&p), Py_RETURN_TRUE);
+}
+
+/* full_attention_f32((q_ptr, s0, s1, s2), (k_ptr, ...), (v_ptr, ...), (out_ptr, ...), (mask_ptr, kind, s0, s1, s2),
+ *                    (batch, heads, kv_heads, q_tokens, kv_tokens, dim), scale) -> bool
+ *
+ * As causal_attention_f32, over every key; mask_ptr 0 with kind FXQ_MASK_NONE, or a float32 (FXQ_MASK_ADD) or byte
+ * (FXQ_MASK_KEEP) mask with the strides (in elements) of its first three dims, dense along the keys. */
+PyObject *fxq_py_full_attention_f32(PyObject *self, PyObject *args) {
+    unsigned long long q_addr, k_addr, v_addr, out_addr, mask_addr;
+    double scale;
+    FullAttention p;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KLLL)(KLLL)(KLLL)(KLLL)(KLLLL)(LLLLLL)d", &q_addr, &p.q_strides[0],
+                          &p.q_strides[1], &p.q_strides[2], &k_addr, &p.k_strides[0], &p.k_strides[1],
+                          &p.k_strides[2], &v_addr, &p.v_strides[0], &p.v_strides[1], &p.v_strides[2], &out_addr,
+                          &p.out_strides[0], &p.out_strides[1], &p.out_strides[2], &mask_addr, &p.mask_kind,
+                          &p.mask_strides[0], &p.mask_strides[1], &p.mask_strides[2], &p.batch, &p.heads,
+                          &p.kv_heads, &p.q_tokens, &p.kv_tokens, &p.dim, &scale))
+        return NULL;
+    if (p.batch < 1 || p.heads < 1 || p.kv_heads < 1 || p.heads % p.kv_heads || p.q_tokens < 1 || p.kv_tokens < 1 ||
+        p.dim < 16 || p.dim % 16 || p.dim > FXQ_ATTENTION_MAX_DIM || p.mask_kind < FXQ_MASK_NONE ||
+        p.mask_kind > FXQ_MASK_KEEP || (p.mask_kind != FXQ_MASK_NONE) != (mask_addr != 0)) {
+        PyErr_SetString(PyExc_ValueError, "full_attention_f32: bad shape or mask");
+        return NULL;
+    }
+    if (!fxq_attention_usable())
+        Py_RETURN_FALSE;
+    p.scale = (float)scale;
+    p.q = PTR(const float, q_addr);
+    p.k = PTR(const float, k_addr);
+    p.v = PTR(const float, v_addr);
+    p.out = PTR(float, out_addr);
+    p.mask = PTR(const void, mask_addr);
+    RUN_AND_RETURN(fxq_full_attention_f32(&p), Py_RETURN_TRUE);
 }

@@ -11,7 +11,9 @@
  *   int8_rows.c   int8_rows_f32: a few-row per-token INT8 Linear on AVX512-VNNI (fxquant/native/per_token.py)
  *   int8_groups.c int8_groups_f32: a per-group dynamic INT8 Linear on AVX512-VNNI (fxquant/native/per_group.py)
  *   attention.c   causal_attention_f32: a decoder's causal attention in float32 (fxquant/native/attention.py)
- * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share)
+ *   full_attention.c full_attention_f32: attention over every key, with a mask, in float32 (the same wrapper)
+ * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share; exp2.h: the attention
+ * loops' 2^x)
  * Each struct is one Python tuple of the same fields in the same order (fxquant/native/_native.pyi), and each kernel
  * gives the bytes of the torch or engine path it replaces (the tests compare them with torch.equal). setup.py
  * builds with -ffp-contract=off: no fused multiply-adds, so each float operation rounds where torch's does.
@@ -289,5 +291,28 @@ typedef struct {
 FXQ_INTERNAL int fxq_attention_usable(void);
 /* 0, or -1 where the transposed keys could not be allocated (nothing written). Only where fxq_attention_usable(). */
 FXQ_INTERNAL int fxq_causal_attention_f32(const CausalAttention *p);
+
+/* ---- full_attention.c ---- */
+
+enum { FXQ_MASK_NONE, FXQ_MASK_ADD, FXQ_MASK_KEEP }; /* no mask; float32 added to the scores; bytes, nonzero kept */
+
+/* q (batch, heads, q_tokens, dim), k and v (batch, kv_heads, kv_tokens, dim), out like q, as CausalAttention's;
+ * mask (batch, heads, q_tokens, kv_tokens) with the given strides of its first three dims (0 where it broadcasts)
+ * and unit stride along the keys. out = softmax(q k^T * scale + mask) v over every key; a row whose every key is
+ * masked out gets zeros, as torch's CPU kernel gives. */
+typedef struct {
+    const float *q, *k, *v;
+    int64_t q_strides[3], k_strides[3], v_strides[3];
+    float *out;
+    int64_t out_strides[3];
+    const void *mask;
+    int64_t mask_kind, mask_strides[3];
+    int64_t batch, heads, kv_heads, q_tokens, kv_tokens, dim;
+    float scale;
+} FullAttention;
+
+/* 0, or -1 where the transposed keys or a work item's scores could not be allocated (the output is then
+ * incomplete). Only where fxq_attention_usable(). */
+FXQ_INTERNAL int fxq_full_attention_f32(const FullAttention *p);
 
 #endif
