@@ -43,12 +43,9 @@ def full_attention_into(out: torch.Tensor, query: torch.Tensor, key: torch.Tenso
     if loader.loops_for("attention") is None:
         return False
     batch, heads, q_tokens, dim = query.shape
-    if mask is None:
-        mask_args = (0, _MASK_NONE, 0, 0, 0)
-    else:
-        shape, stride = mask.shape[:3], mask.stride()[:3]
-        strides = tuple(0 if size == 1 else step for size, step in zip(shape, stride, strict=True))
-        kind = _MASK_KEEP if mask.dtype == torch.bool else _MASK_ADD
-        mask_args = (mask.data_ptr(), kind, *strides)
+    mask_args = (0, _MASK_NONE, 0, 0, 0)
+    if mask is not None:  # a size-1 dim broadcasts: stride 0
+        b, h, r = (0 if size == 1 else step for size, step in zip(mask.shape[:3], mask.stride()[:3], strict=True))
+        mask_args = (mask.data_ptr(), _MASK_KEEP if mask.dtype == torch.bool else _MASK_ADD, b, h, r)
     return extension.full_attention_f32(_heads(query), _heads(key), _heads(value), _heads(out), mask_args,
                                         (batch, heads, key.shape[1], q_tokens, key.shape[2], dim), scale)
