@@ -2,7 +2,8 @@
 
 fxquant's oneDNN primitives and C loops are called from its own extension, not as torch ops, so the profiler sees
 an fxquant model as one long gap between ops. Its layers are timed node by node instead, in an ``fx.Interpreter``
-walk (which skips the graph runner's fused steps, so the walk's total is a little above a real call's). ONNX
+walk (which skips the graph runner's fused steps, so the walk's total is a little above a real call's; SDPA nodes
+run the attention the graph runner gives them, :mod:`fxquant.runtime.attention`). ONNX
 Runtime's kernels are invisible to torch.profiler too: :func:`ort_ops` reads ORT's own profile, op type by op type.
 """
 
@@ -21,6 +22,7 @@ from _peers_ort import OrtSessions, session_options
 from torch import fx
 
 from fxquant.report.latency import num_threads
+from fxquant.runtime import attention
 
 BETWEEN_OPS = "(between ops)"
 Row = tuple[str, float, int]  # what, ms per call, calls per call
@@ -53,6 +55,12 @@ class _NodeTimer(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, times: dict[str, list[float]]) -> None:
         super().__init__(gm)
         self.times = times
+        self.fast_attention = attention.runs_fast(gm)
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if self.fast_attention and target in attention.SDPA:  # as the graph runner calls it
+            target = attention.scaled_dot_product_attention
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in ("call_module", "call_function", "call_method"):
