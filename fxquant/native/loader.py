@@ -46,9 +46,10 @@ if loops is not None:
 # and yields to that kernel above it, at any thread count (docs/amx.md "Threads" gives the measurements;
 # scripts/bench_amx_layers.py and scripts/bench_llm_layers.py --threads N).
 # The per-group dynamic Linear's loop has no engine kernel to yield to (its torch path is a float GEMM per group of
-# inputs, slower at any thread count): it runs at every count, its tiles split over all of torch's threads. So does
-# the causal attention loop: its work items (a head and 8 query rows each) are dealt round robin to all of torch's
-# threads, finer than torch's own flash attention splits it.
+# inputs, slower at any thread count): it runs at every count, its tiles split over all of torch's threads. So do
+# the attention loops: their work items (a head and 8 query rows each for the causal loop, dealt round robin; a
+# head and 32 rows for the full one, split evenly) go to all of torch's threads, as torch's flash attention splits
+# the same heads and rows.
 THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "upsample": 1, "elementwise": 2, "histogram": 4,
                  "weight_only": 2, "int8_rows": 2, "int8_groups": sys.maxsize, "attention": sys.maxsize}
 

@@ -1,14 +1,14 @@
 """The attention a converted model runs: fxquant's float32 attention loops where they compute what
 ``F.scaled_dot_product_attention`` would, torch's SDPA for every other call.
 
-Once a transformer's Linears are INT8, its attention is a large share of the time that is left: on the zoo's
-BERT-style encoder at batch 8 about a quarter of the INT8 model (docs/benchmarks.md). torch's CPU flash kernel,
-which SDPA runs there, reaches about a third of the core's float32 rate at encoder shapes;
+Once a transformer's Linears are INT8, its float attention is a large share of the time that is left, and torch's
+CPU flash kernel, which SDPA runs, uses a fraction of the core's float32 rate at encoder shapes;
 :func:`fxquant.native.attention.full_attention_into` computes the same function with register-tiled products
-(docs/backends.md, "Attention" has the measurements). The graph walk (:mod:`fxquant.runtime.runner`) calls
-:func:`scaled_dot_product_attention` for a graph's SDPA nodes where the model runs INT8 layers on a kernel backend
-(:func:`runs_fast`); the graph and its generated code keep torch's SDPA, so an export, a traced or hooked call and
-the reference backend (torch's own arithmetic by design) compute with torch's kernel.
+(docs/benchmarks.md, "Attention over every key", has the measurements). The graph walk
+(:mod:`fxquant.runtime.runner`) calls :func:`scaled_dot_product_attention` for a graph's SDPA nodes where the model
+runs INT8 layers on a kernel backend (:func:`runs_fast`); the graph and its generated code keep torch's SDPA, so an
+export, a traced or hooked call and the reference backend (torch's own arithmetic by design) compute with torch's
+kernel.
 
 A call takes a loop only where it computes the same function: float32 on the CPU, 4-d query, key and value dense
 along the head dim, a head dim the loops take, the same head dim for values, no dropout, no autograd, not under a

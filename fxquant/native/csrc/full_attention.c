@@ -2,17 +2,17 @@
  * self-attention (BERT, ViT, Whisper's encoder) or a decoder's cross-attention, where every query sees every key.
  *
  * A work item is a head and a block of ROWS query rows. Its scores against all keys fit in a buffer of the item
- * (ROWS x keys floats: 16 KB at 128 keys, kept in L1/L2), so the softmax is exact in two passes, with no running
- * rescale as in attention.c's one-pass causal loop, whose blocks stop at the diagonal. Both products are register
- * tiles of RT rows x up to 4 vectors of 16 lanes, each operand read once per tile step: scores = q (broadcast, times
- * scale * log2(e)) x keys transposed (dim, keys; copied once per call, the row pitch padded off a power of two so
- * the copy's columns do not share cache sets); output = probabilities (broadcast) x values, read in place; then
- * times 1 / sum. Scores are taken in base 2 (a probability is one exp2). torch's flash kernel, which SDPA runs
- * here, walks blocks of keys with running rescales and reaches about a third of the core's float32 rate at these
- * shapes (docs/backends.md, "Attention"). Sums run with fused multiply-adds in 16 lanes, so they round differently
- * from torch's kernels: the tests compare both with a float64 reference. Items are split over torch's threads, each
- * writing its own rows: the result does not depend on the thread count. Arguments arrive checked (module_rows.c);
- * runs without the GIL, only where fxq_attention_usable().
+ * (ROWS x keys floats, in L1/L2 at encoder lengths), so the softmax is exact in two passes, with no running rescale
+ * as in attention.c's one-pass causal loop, whose blocks stop at the diagonal. Both products are register tiles of
+ * RT rows x up to 4 vectors of 16 lanes, each operand read once per tile step: scores = q (broadcast, times scale *
+ * log2(e)) x keys transposed (dim, keys; transposed once per call in blocks of 16 x 16, the row pitch padded off a
+ * power of two so the columns do not share cache sets); output = probabilities (broadcast) x values, read in place;
+ * then times 1 / sum. Scores are taken in base 2 (a probability is one exp2). torch's flash kernel, which SDPA runs,
+ * walks blocks of keys with running rescales (docs/benchmarks.md, "Attention over every key", compares the two).
+ * Sums run with fused multiply-adds in 16 lanes, so they round differently from torch's kernels: the tests compare
+ * both with a float64 reference. Items are split over torch's threads, each writing its own rows: the result does
+ * not depend on the thread count. Arguments arrive checked (module_rows.c); runs without the GIL, only where
+ * fxq_attention_usable().
  */
 #include <float.h>
 #include <math.h>
