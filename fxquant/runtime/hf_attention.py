@@ -1,19 +1,19 @@
-"""The attention a converted transformers model runs: fxquant's causal attention loop for a decoder's prefill,
-transformers' own SDPA function for every other call.
+"""The attention a converted transformers model runs: fxquant's attention loops where they compute what
+transformers' SDPA function would, that function for every other call.
 
-A decoder's prefill of 512 tokens spends a third of an INT8 model's time in attention once its Linears are INT8
-(docs/benchmarks.md, "Decoder LLMs"), and torch's CPU flash attention reaches about a third of the core's float32
-rate there. :mod:`fxquant.native.attention` computes the same function in one blocked pass at about twice its speed.
+Once a model's Linears are INT8, attention is a large share of the time left (docs/benchmarks.md, "Decoder LLMs"),
+and torch's CPU flash attention uses a fraction of the core's float32 rate; :mod:`fxquant.runtime.attention` picks
+fxquant's loops for the calls they compute ("Causal prefill attention", "Attention over every key" there).
 
 transformers picks a model's attention function by name from its ``AttentionInterface`` registry, and the mask
 builder by the same name from ``AttentionMaskInterface``. :func:`use_fast_attention` registers :func:`attention`
 as :data:`NAME` (with transformers' SDPA mask builder) and switches a model whose implementation is ``"sdpa"`` to
 it with transformers' own ``set_attn_implementation``, so ``qmodel.set_attn_implementation("sdpa")`` switches it
-back. :func:`attention` takes the loop only where SDPA itself would run its causal kernel and the loop computes the
-same function: no mask (transformers passes none for an unpadded causal prefill), more than one query, float32 on
-the CPU, no dropout, softcap, attention sinks, position bias or attention weights asked for, a head dim the loop
-takes, no autograd, not under a tracer or compiler. Everything else goes to ``sdpa_attention_forward`` unchanged:
-a decode step (one query), a padded batch (a mask), another dtype. ``convert`` calls
+back. :func:`attention` decides causality as ``sdpa_attention_forward`` does (causal only for more than one query
+and no mask) and takes a loop where one computes the same function: an unpadded prefill (the causal loop), a padded
+batch (its mask) or a decode step (one query over the cache: the full loop), float32 on the CPU, no dropout,
+softcap, attention sinks, position bias or attention weights asked for, a head dim the loops take, no autograd, not
+under a tracer or compiler. Everything else goes to ``sdpa_attention_forward`` unchanged. ``convert`` calls
 :func:`attention_for_backend`: the reference backend, torch's own arithmetic by design, and a model with no INT8
 layer left keep ``"sdpa"``.
 """
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxquant.native.attention import MAX_DIM, causal_attention_into
 from fxquant.nn.quantized import _BackendModule
 from fxquant.nn.schemes import SchemeLinear
+from fxquant.runtime.attention import fast_attention
 
 NAME = "fxquant_sdpa"  # the attn_implementation name of :func:`attention` in transformers' registries
 _DECLINED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")  # what the loop does not compute
@@ -37,24 +37,16 @@ _DECLINED_KWARGS = ("softcap", "s_aux", "sinks", "position_bias")  # what the lo
 def _fast(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
           attention_mask: torch.Tensor | None, dropout: float, scaling: float | None, is_causal: bool | None,
           kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """The loop's output (batch, tokens, heads, dim) where it computes what SDPA would, else None."""
-    if (attention_mask is not None or dropout or query.shape[2] < 2 or key.shape[2] < query.shape[2]
-            or not (is_causal if is_causal is not None else getattr(module, "is_causal", True))
-            or kwargs.get("output_attentions") or any(kwargs.get(name) is not None for name in _DECLINED_KWARGS)):
+    """A loop's output (batch, tokens, heads, dim) where one computes what ``sdpa_attention_forward`` would, else
+    None. Its causal flag as transformers decides it: causal only for more than one query and no mask."""
+    if kwargs.get("output_attentions") or any(kwargs.get(name) is not None for name in _DECLINED_KWARGS):
         return None
-    tensors = (query, key, value)
-    if (not all(type(t) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 4
-                and t.stride(-1) == 1 for t in tensors)
-            or query.shape[-1] % 16 or query.shape[-1] > MAX_DIM or query.shape[1] % key.shape[1]
-            or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            or torch.compiler.is_compiling() or torch.jit.is_tracing()):  # (an fx Proxy is not a Tensor)
-        return None
-    tokens = query.shape[2]  # SDPA's causal mask is aligned top-left: it, too, keeps only the first tokens' keys
-    key, value = key[:, :, :tokens], value[:, :, :tokens]
-    batch, heads, _, dim = query.shape
-    out = torch.empty(batch, tokens, heads, dim)
-    scale = scaling if scaling is not None else dim ** -0.5
-    return out if causal_attention_into(out.transpose(1, 2), query, key, value, scale) else None
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = query.shape[2] > 1 and attention_mask is None and bool(causal)
+    if attention_mask is not None and attention_mask.dim() == 4:  # transformers' own slice to the keys
+        attention_mask = attention_mask[:, :, :, : key.shape[2]]
+    out = fast_attention(query, key, value, attention_mask, dropout, causal, scaling, enable_gqa=True)
+    return None if out is None else out.transpose(1, 2)
 
 
 def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

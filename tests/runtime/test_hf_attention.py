@@ -1,12 +1,12 @@
-"""A converted transformers decoder runs fxquant's attention (:mod:`fxquant.runtime.hf_attention`): the loop for an
-unpadded causal prefill, transformers' SDPA for every other call, and the same function either way.
+"""A converted transformers decoder runs fxquant's attention (:mod:`fxquant.runtime.hf_attention`): the causal loop
+for an unpadded prefill, the full loop for a padded batch and a decode step, transformers' SDPA for every other
+call, and the same function either way.
 
 The reference is the same converted model switched back to transformers' ``"sdpa"`` with its own
-``set_attn_implementation``: the INT8 Linears are the same modules, so only the attention differs. Where the loop
-runs, the logits agree to float32 rounding and greedy generation gives the same tokens; where it does not (a
-padded batch, a decode step, the loops off), the outputs are SDPA's bit for bit.
+``set_attn_implementation``: the INT8 Linears are the same modules, so only the attention differs. Where a loop
+runs, the logits agree to float32 rounding and greedy generation gives the same tokens; where none does (the loops
+off), the outputs are SDPA's bit for bit.
 """
-
 from __future__ import annotations
 
 from typing import Any
@@ -17,6 +17,7 @@ import torch
 import fxquant
 from fxquant import native
 from fxquant.native.attention import causal_attention_into
+from fxquant.runtime import attention as runtime_attention
 from fxquant.runtime import hf_attention
 
 transformers = pytest.importorskip("transformers")
@@ -30,11 +31,12 @@ def _loop_runs_here() -> bool:
 
 
 class _Spy:
-    """Stands for ``causal_attention_into`` in the module: records the query length of each call that ran."""
+    """Stands for one loop's wrapper in :mod:`fxquant.runtime.attention`: records the query length of each call that
+    ran."""
 
-    def __init__(self) -> None:
+    def __init__(self, inner: Any) -> None:
         self.ran: list[int] = []
-        self.inner = hf_attention.causal_attention_into
+        self.inner = inner
 
     def __call__(self, out: torch.Tensor, query: torch.Tensor, *args: Any) -> bool:
         ran = self.inner(out, query, *args)
@@ -45,8 +47,17 @@ class _Spy:
 
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> _Spy:
-    recorder = _Spy()
-    monkeypatch.setattr(hf_attention, "causal_attention_into", recorder)
+    """The causal loop's calls."""
+    recorder = _Spy(runtime_attention.causal_attention_into)
+    monkeypatch.setattr(runtime_attention, "causal_attention_into", recorder)
+    return recorder
+
+
+@pytest.fixture
+def full_spy(monkeypatch: pytest.MonkeyPatch) -> _Spy:
+    """The full loop's calls."""
+    recorder = _Spy(runtime_attention.full_attention_into)
+    monkeypatch.setattr(runtime_attention, "full_attention_into", recorder)
     return recorder
 
 
@@ -88,11 +99,13 @@ def test_a_prefill_runs_the_loop_and_matches_sdpa(models: tuple[Any, Any], spy: 
     torch.testing.assert_close(ours, _logits(qmodel, ids, "sdpa"), rtol=0, atol=1e-4)
 
 
-def test_greedy_generation_gives_sdpas_tokens(models: tuple[Any, Any], spy: _Spy) -> None:
+def test_greedy_generation_gives_sdpas_tokens(models: tuple[Any, Any], spy: _Spy, full_spy: _Spy) -> None:
     _, qmodel = models
     prompt = torch.randint(3, 96, (1, 20))
     ours = qmodel.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert spy.ran == ([20, 20] if _loop_runs_here() else [])  # the prefill only: a decode step has one query
+    loops = _loop_runs_here()
+    assert spy.ran == ([20, 20] if loops else [])  # the prefill, causal
+    assert full_spy.ran == ([1] * 14 if loops else [])  # 7 decode steps x 2 layers, one query each
     qmodel.set_attn_implementation("sdpa")
     try:
         theirs = qmodel.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -101,25 +114,28 @@ def test_greedy_generation_gives_sdpas_tokens(models: tuple[Any, Any], spy: _Spy
     assert torch.equal(ours, theirs)
 
 
-def test_a_padded_batch_takes_sdpa_unchanged(models: tuple[Any, Any], spy: _Spy) -> None:
+def test_a_padded_batch_runs_the_full_loop_with_its_mask(models: tuple[Any, Any], spy: _Spy,
+                                                         full_spy: _Spy) -> None:
+    if not _loop_runs_here():
+        pytest.skip("the attention loops need the C loops and AVX-512 (FXQUANT_ISA at avx512 or above)")
     _, qmodel = models
     ids = torch.randint(3, 96, (2, 12))
     mask = torch.ones_like(ids)
-    mask[0, :4] = 0  # left padding: transformers builds a mask, which the loop does not take
+    mask[0, :4] = 0  # left padding: transformers builds a mask, causal and padded
     with torch.inference_mode():
         ours = qmodel(ids, attention_mask=mask).logits
-    assert spy.ran == []
-    assert torch.equal(ours, _logits(qmodel, ids, "sdpa", attention_mask=mask))
+    assert spy.ran == [] and full_spy.ran == [12, 12]
+    torch.testing.assert_close(ours, _logits(qmodel, ids, "sdpa", attention_mask=mask), rtol=0, atol=1e-4)
 
 
-def test_without_the_loops_every_call_is_sdpas(models: tuple[Any, Any], spy: _Spy,
+def test_without_the_loops_every_call_is_sdpas(models: tuple[Any, Any], spy: _Spy, full_spy: _Spy,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(native, "loops", None)
     _, qmodel = models
     ids = torch.randint(3, 96, (1, 16))
     with torch.inference_mode():
         ours = qmodel(ids).logits
-    assert spy.ran == []
+    assert spy.ran == [] and full_spy.ran == []
     assert torch.equal(ours, _logits(qmodel, ids, "sdpa"))
 
 
