@@ -119,15 +119,20 @@ def prepared() -> torch.fx.GraphModule:
 @pytest.mark.parametrize("backend", ["onednn", "reference"])
 def test_the_graph_walk_takes_the_loop_only_on_kernel_backends(prepared: torch.fx.GraphModule, backend: str,
                                                                spies: dict[str, _Spy]) -> None:
-    """The converted encoder's 4 SDPA nodes: the loop on onednn, agreeing with the generated code (torch's SDPA)
-    to rounding, and torch's SDPA on the reference backend, bit for bit."""
+    """The converted encoder's 4 SDPA nodes: the loop on onednn, each call SDPA's output on its inputs to rounding,
+    and torch's SDPA on the reference backend, the generated code's output bit for bit."""
     qmodel = fxquant.convert(prepared, backend=backend)
     x = example_inputs("bert_style", 2)
+    calls: list[tuple[torch.Tensor, ...]] = []
+    inner = spies["full_attention_into"].inner
+    spies["full_attention_into"].inner = lambda out, *args: (calls.append((out, *args[:3])), inner(out, *args))[1]
     out = qmodel(*x)
     generated = type(qmodel).forward(qmodel, *x)  # the generated code: torch's SDPA
     loops = _loops_run_here()
-    assert spies["full_attention_into"].ran == (4 if backend == "onednn" and loops else 0)
+    assert spies["full_attention_into"].ran == len(calls) == (4 if backend == "onednn" and loops else 0)
+    for result, q, k, v in calls:
+        assert (result - F.scaled_dot_product_attention(q, k, v)).abs().max().item() < TOLERANCE
     if backend == "reference" or not loops:
         assert torch.equal(out, generated)
-    else:  # the attention output is quantized next: a rounding difference may move a value by one step
-        assert sqnr_db(generated, out) > 100.0  # measured: bit-identical at batch 2, 122 dB at batch 8
+    else:  # each attention output is quantized next: a rounding difference can move a value by one step
+        assert sqnr_db(generated, out) > 50.0  # measured: bit-identical, or 64 dB under FXQUANT_ISA=avx512
