@@ -7,7 +7,7 @@ step.Step` per node), each value dropped after its last reader (as the generated
 through ``forward`` directly; consecutive onednn layers are one step, replayed as recorded primitive calls
 (:mod:`fxquant.runtime.replay`); SDPA calls take fxquant's attention loops where the model runs INT8 layers on a
 kernel backend (:mod:`fxquant.runtime.attention`). What each gains is measured in docs/backends.md ("The graph
-walk", "Attention").
+walk") and docs/benchmarks.md ("Attention over every key").
 
 It behaves as the generated code does, or steps aside:
 

@@ -118,8 +118,8 @@ __attribute__((target("avx512f"), always_inline)) static inline float softmax_ro
                                                * overflow), so a row masked by it alone averages, as torch's does */
             const __m512 add = _mm512_maskz_loadu_ps(in, (const float *)p->mask + at + j);
             const __mmask16 finite = _mm512_cmp_ps_mask(add, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-            x = _mm512_mask_max_ps(_mm512_fmadd_ps(add, _mm512_set1_ps(LOG2E), x), finite,
-                                   _mm512_fmadd_ps(add, _mm512_set1_ps(LOG2E), x), _mm512_set1_ps(-FLT_MAX));
+            x = _mm512_fmadd_ps(add, _mm512_set1_ps(LOG2E), x);
+            x = _mm512_mask_max_ps(x, finite, x, _mm512_set1_ps(-FLT_MAX));
         } else if (p->mask_kind == FXQ_MASK_KEEP) {
             const uint8_t *bytes = (const uint8_t *)p->mask + at + j;
             uint8_t last[16] = {0}; /* the last block's bytes, read no further than the row */
