@@ -123,9 +123,16 @@ def test_the_graph_walk_takes_the_loop_only_on_kernel_backends(prepared: torch.f
     and torch's SDPA on the reference backend, the generated code's output bit for bit."""
     qmodel = fxquant.convert(prepared, backend=backend)
     x = example_inputs("bert_style", 2)
-    calls: list[tuple[torch.Tensor, ...]] = []
+    calls: list[tuple[torch.Tensor, ...]] = []  # (output, query, key, value) of each call the loop ran
     inner = spies["full_attention_into"].inner
-    spies["full_attention_into"].inner = lambda out, *args: (calls.append((out, *args[:3])), inner(out, *args))[1]
+
+    def recorded(out: torch.Tensor, *args: Any) -> bool:
+        ran = inner(out, *args)
+        if ran:
+            calls.append((out, *args[:3]))
+        return ran
+
+    spies["full_attention_into"].inner = recorded
     out = qmodel(*x)
     generated = type(qmodel).forward(qmodel, *x)  # the generated code: torch's SDPA
     loops = _loops_run_here()
