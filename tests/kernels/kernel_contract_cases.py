@@ -22,6 +22,7 @@ from fxquant import native
 from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
 from fxquant.kernels.registry import available_backends, get_backend
+from fxquant.native.isa import ISA_LEVELS, isa_cap
 from fxquant.qparams import INT8_RANGE, QParams, affine_qparams, dequantize, fake_quantize
 
 FLOAT_CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -70,6 +71,16 @@ def require_c_loops() -> None:
     if os.environ.get(native.DISABLE_ENV) == "0":
         pytest.skip(f"{native.DISABLE_ENV}=0 turns the C loops off")
     assert native.loops is not None, "fxquant.native._native was not built: reinstall with a C compiler"
+
+
+def require_loop(what: str, flag: str, level: str) -> None:
+    """Skip, with the reason, where ``what`` cannot run: the C loops off on purpose, a CPU without ``flag``, or
+    ``FXQUANT_ISA`` capped below ``level``; fail where the loops were not built."""
+    require_c_loops()
+    if flag not in cpu_flags():
+        pytest.skip(f"{what} needs {flag}, which this CPU lacks")
+    if isa_cap() < ISA_LEVELS.index(level):
+        pytest.skip(f"FXQUANT_ISA caps the loops below {level}")
 
 
 def cpu_flags() -> frozenset[str]:

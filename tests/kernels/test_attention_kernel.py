@@ -13,23 +13,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_contract_cases import cpu_flags, require_c_loops
+from kernel_contract_cases import require_c_loops, require_loop
 
 from fxquant import native
 from fxquant.native.attention import causal_attention_into
-from fxquant.native.isa import ISA_LEVELS, isa_cap
 from fxquant.native.loader import extension
 from fxquant.report.latency import num_threads
 
 TOLERANCE = 2e-5  # absolute, on outputs of unit scale
-
-
-def _require_loop() -> None:
-    require_c_loops()
-    if not {"avx512f", "avx512bw"} <= cpu_flags():
-        pytest.skip("the attention loop needs AVX-512, which this CPU lacks")
-    if isa_cap() < ISA_LEVELS.index("avx512"):
-        pytest.skip("FXQUANT_ISA caps the loops below avx512")
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -63,7 +54,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
 @pytest.mark.parametrize("shape", [(1, 9, 3, 512, 64), (2, 4, 4, 37, 32), (1, 8, 2, 100, 128), (1, 2, 1, 1, 16),
                                    (3, 3, 3, 7, 16), (1, 2, 2, 16, 256), (1, 6, 2, 33, 48), (2, 2, 1, 9, 64)])
 def test_the_loop_computes_causal_attention(shape: tuple[int, int, int, int, int]) -> None:
-    _require_loop()
+    require_loop("the attention loop", "avx512f", "avx512")
     q, k, v = _inputs(*shape)
     scale = shape[-1] ** -0.5
     out = _run(q, k, v, scale)
@@ -75,7 +66,7 @@ def test_rising_and_huge_scores_stay_exact_to_rounding(growth: float, scale: flo
     """Keys that grow along the sequence move each row's maximum at every key block; a scale of 40 puts scores in
     the hundreds, where an unshifted exp overflows float32 and the scores' own float32 rounding moves the outputs
     by up to 5e-5 (torch's float32 SDPA: 2e-4)."""
-    _require_loop()
+    require_loop("the attention loop", "avx512f", "avx512")
     q, k, v = _inputs(1, 4, 2, 70, 64, growth=growth)
     out = _run(q, k, v, scale)
     assert torch.isfinite(out).all()
@@ -83,7 +74,7 @@ def test_rising_and_huge_scores_stay_exact_to_rounding(growth: float, scale: flo
 
 
 def test_the_result_does_not_depend_on_the_thread_count() -> None:
-    _require_loop()
+    require_loop("the attention loop", "avx512f", "avx512")
     q, k, v = _inputs(2, 4, 2, 90, 64)
     with num_threads(1):
         one = _run(q, k, v, 0.125)

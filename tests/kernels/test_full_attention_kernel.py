@@ -16,23 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_contract_cases import cpu_flags, require_c_loops
+from kernel_contract_cases import require_c_loops, require_loop
 
 from fxquant import native
 from fxquant.native.attention import full_attention_into
-from fxquant.native.isa import ISA_LEVELS, isa_cap
 from fxquant.native.loader import extension
 from fxquant.report.latency import num_threads
 
 TOLERANCE = 2e-5  # absolute, on outputs of unit scale
-
-
-def _require_loop() -> None:
-    require_c_loops()
-    if "avx512f" not in cpu_flags():
-        pytest.skip("the attention loop needs AVX-512, which this CPU lacks")
-    if isa_cap() < ISA_LEVELS.index("avx512"):
-        pytest.skip("FXQUANT_ISA caps the loops below avx512")
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -68,7 +59,7 @@ def _run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                                    (1, 2, 2, 1, 77, 64), (1, 4, 4, 7, 1500, 48), (3, 2, 2, 5, 5, 16),
                                    (1, 2, 1, 40, 40, 256), (2, 8, 2, 19, 23, 80), (1, 1, 1, 64, 16, 128)])
 def test_the_loop_computes_attention_over_every_key(shape: tuple[int, int, int, int, int, int]) -> None:
-    _require_loop()
+    require_loop("the attention loop", "avx512f", "avx512")
     q, k, v = _inputs(*shape)
     scale = shape[-1] ** -0.5
     assert (_run(q, k, v, scale).double() - _reference(q, k, v, scale)).abs().max().item() < TOLERANCE
@@ -85,7 +76,7 @@ def _padding(batch: int, q_tokens: int, kv_tokens: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("kind", ["bool", "bool_full", "finfo_min", "bias", "minus_inf"])
 def test_masks_are_applied_as_torch_applies_them(kind: str) -> None:
-    _require_loop()
+    require_loop("the attention loop", "avx512f", "avx512")
     batch, heads, q_tokens, kv_tokens = 3, 4, 21, 37
     q, k, v = _inputs(batch, heads, heads, q_tokens, kv_tokens, 64)
     keep = _padding(batch, q_tokens, kv_tokens)
@@ -108,7 +99,7 @@ def test_masks_are_applied_as_torch_applies_them(kind: str) -> None:
 
 def test_huge_scores_stay_exact_to_rounding() -> None:
     """A scale of 40 puts scores in the hundreds, where an unshifted exp overflows float32."""
-    _require_loop()
+    require_loop("the attention loop", "avx512f", "avx512")
     q, k, v = _inputs(1, 4, 4, 70, 70, 64)
     out = _run(q, k, v, 40.0)
     assert torch.isfinite(out).all()
@@ -118,7 +109,7 @@ def test_huge_scores_stay_exact_to_rounding() -> None:
 @pytest.mark.parametrize("threads", [2, 8])
 def test_the_result_does_not_depend_on_the_thread_count(threads: int) -> None:
     """The loop runs at every thread count (docs/amx.md "Threads"); 8 threads on a 2-core machine too."""
-    _require_loop()
+    require_loop("the attention loop", "avx512f", "avx512")
     q, k, v = _inputs(2, 4, 2, 90, 70, 64)
     with num_threads(1):
         one = _run(q, k, v, 0.125)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from kernel_contract_cases import cpu_flags, require_c_loops
+from kernel_contract_cases import cpu_flags, require_c_loops, require_loop
 
 from fxquant import native
 from fxquant.kernels import per_group as per_group_kernel
@@ -36,11 +36,7 @@ def _vnni_allowed() -> bool:
 
 
 def _require_vnni_loop() -> None:
-    require_c_loops()
-    if "avx512_vnni" not in cpu_flags():
-        pytest.skip("the per-group loop needs AVX512-VNNI, which this CPU lacks")
-    if isa_cap() < ISA_LEVELS.index("vnni"):
-        pytest.skip("FXQUANT_ISA caps the loops below vnni")
+    require_loop("the per-group loop", "avx512_vnni", "vnni")
 
 
 class _Spy:

@@ -3,11 +3,11 @@
  *
  * A work item is a head and a block of ROWS query rows. Its scores against all keys fit in a buffer of the item
  * (ROWS x keys floats, in L1/L2 at encoder lengths), so the softmax is exact in two passes, with no running rescale
- * as in attention.c's one-pass causal loop, whose blocks stop at the diagonal. Both products are register tiles of
- * RT rows x up to 4 vectors of 16 lanes, each operand read once per tile step: scores = q (broadcast, times scale *
- * log2(e)) x keys transposed (dim, keys; transposed once per call in blocks of 16 x 16, the row pitch padded off a
- * power of two so the columns do not share cache sets); output = probabilities (broadcast) x values, read in place;
- * then times 1 / sum. Scores are taken in base 2 (a probability is one exp2). torch's flash kernel, which SDPA runs,
+ * as in attention.c's one-pass causal loop, whose blocks stop at the diagonal. Both products run one register tile
+ * of RT rows x up to 4 vectors of 16 lanes, each operand read once per tile step: scores = q (broadcast, times scale
+ * * log2(e)) x keys transposed (dim, keys; transposed once per call in blocks of 16 x 16, the row pitch padded off a
+ * power of two so the columns do not share cache sets); output = probabilities (broadcast) x values, read in place,
+ * times 1 / sum. Scores are taken in base 2 (a probability is one exp2). torch's flash kernel, which SDPA runs,
  * walks blocks of keys with running rescales (docs/benchmarks.md, "Attention over every key", compares the two).
  * Sums run with fused multiply-adds in 16 lanes, so they round differently from torch's kernels: the tests compare
  * both with a float64 reference. Items are split over torch's threads, each writing its own rows: the result does
@@ -37,50 +37,30 @@
 #define RT 4    /* rows of a register tile: RT x 4 accumulators of 16 lanes */
 #define LOG2E 1.44269504089f
 
-/* scores[r][j0 + 16 v + lane] = sum_d qs[r][d] kt[d][j0 + 16 v + lane] for RT (or fewer) rows, nv vectors of keys. */
-__attribute__((target("avx512f"), always_inline)) static inline void score_tile(
-    const float *qs, const int64_t dim, const float *kt, const int64_t pitch, const int64_t j0, float *scores,
-    const int64_t keys_pad, const int rows, const int nv) {
+/* out[r][16 v + lane] = scale[r] * sum_t a[r][t] b[t][16 v + lane] for t < depth, RT (or fewer) rows of a (row
+ * pitch a_pitch, broadcast), nv vectors of b (row pitch b_pitch): both products, scores = q x keys transposed (no
+ * scale) and output = probabilities x values (times 1 / sum). */
+__attribute__((target("avx512f"), always_inline)) static inline void tile(
+    const float *a, const int64_t a_pitch, const float *b, const int64_t b_pitch, const int64_t depth, float *out,
+    const int64_t out_pitch, const float *scale, const int rows, const int nv) {
     __m512 acc[RT][4];
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < nv; v++)
             acc[r][v] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d++) {
-        __m512 k[4];
+    for (int64_t t = 0; t < depth; t++) {
+        __m512 bt[4];
         for (int v = 0; v < nv; v++)
-            k[v] = _mm512_loadu_ps(kt + d * pitch + j0 + 16 * v);
+            bt[v] = _mm512_loadu_ps(b + t * b_pitch + 16 * v);
         for (int r = 0; r < rows; r++) {
-            const __m512 q = _mm512_set1_ps(qs[r * dim + d]);
+            const __m512 ar = _mm512_set1_ps(a[r * a_pitch + t]);
             for (int v = 0; v < nv; v++)
-                acc[r][v] = _mm512_fmadd_ps(q, k[v], acc[r][v]);
+                acc[r][v] = _mm512_fmadd_ps(ar, bt[v], acc[r][v]);
         }
     }
     for (int r = 0; r < rows; r++)
         for (int v = 0; v < nv; v++)
-            _mm512_storeu_ps(scores + r * keys_pad + j0 + 16 * v, acc[r][v]);
-}
-
-/* out[r][c0 + 16 c + lane] = inv[r] * sum_j p[r][j] v[j][c0 + 16 c + lane] for RT (or fewer) rows, nv vectors. */
-__attribute__((target("avx512f"), always_inline)) static inline void value_tile(
-    const float *p, const int64_t keys_pad, const int64_t keys, const float *v, const int64_t v_stride,
-    const int64_t c0, const float *inv, float *out, const int64_t out_stride, const int rows, const int nv) {
-    __m512 acc[RT][4];
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < nv; c++)
-            acc[r][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < keys; j++) {
-        __m512 vj[4];
-        for (int c = 0; c < nv; c++)
-            vj[c] = _mm512_loadu_ps(v + j * v_stride + c0 + 16 * c);
-        for (int r = 0; r < rows; r++) {
-            const __m512 pr = _mm512_set1_ps(p[r * keys_pad + j]);
-            for (int c = 0; c < nv; c++)
-                acc[r][c] = _mm512_fmadd_ps(pr, vj[c], acc[r][c]);
-        }
-    }
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < nv; c++)
-            _mm512_storeu_ps(out + r * out_stride + c0 + 16 * c, _mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv[r])));
+            _mm512_storeu_ps(out + r * out_pitch + 16 * v,
+                             scale ? _mm512_mul_ps(acc[r][v], _mm512_set1_ps(scale[r])) : acc[r][v]);
 }
 
 /* The tiles of `rows` rows x `extent` lanes (a multiple of 16), each with constant sizes (so the accumulators
@@ -186,7 +166,7 @@ __attribute__((target("avx512f"))) static void item(const FullAttention *p, cons
     for (int r = 0; r < rows; r++)
         for (int64_t d = 0; d < dim; d += 16)
             _mm512_storeu_ps(qs + r * dim + d, _mm512_mul_ps(_mm512_loadu_ps(q + r * p->q_strides[2] + d), to_base2));
-#define SCORES(rr, nv) score_tile(qs + r * dim, dim, kt, pitch, at, scores + r * keys_pad, keys_pad, rr, nv)
+#define SCORES(rr, nv) tile(qs + r * dim, dim, kt + at, pitch, dim, scores + r * keys_pad + at, keys_pad, NULL, rr, nv)
     TILES(SCORES, rows, keys_pad)
     float inv[ROWS];
     for (int r = 0; r < rows; r++)
@@ -194,8 +174,8 @@ __attribute__((target("avx512f"))) static void item(const FullAttention *p, cons
     const float *v = p->v + b * p->v_strides[0] + kvh * p->v_strides[1];
     float *out = p->out + b * p->out_strides[0] + h * p->out_strides[1] + r0 * p->out_strides[2];
 #define VALUES(rr, nv)                                                                                              \
-    value_tile(scores + r * keys_pad, keys_pad, p->kv_tokens, v, p->v_strides[2], at, inv + r,                      \
-               out + r * p->out_strides[2], p->out_strides[2], rr, nv)
+    tile(scores + r * keys_pad, keys_pad, v + at, p->v_strides[2], p->kv_tokens, out + r * p->out_strides[2] + at,   \
+         p->out_strides[2], inv + r, rr, nv)
     TILES(VALUES, rows, dim)
 }
 
