@@ -1,5 +1,6 @@
-"""``fxquant.runtime.replay``: runs of onednn layers recorded once and replayed as primitive calls must compute exactly
-what torch.fx's generated code computes, call after call, and step aside whenever the recording no longer holds."""
+"""``fxquant.runtime.replay``: runs of onednn steps recorded once and replayed as calls on raw addresses must compute
+exactly what torch.fx's generated code computes, call after call, and step aside whenever the recording no longer
+holds."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.skipif("onednn" not in available_backends() or not oned
 
 
 class _Net(nn.Module):
-    """Residual blocks (conv + add fused), a depthwise conv, a value read after the convs (``skip``) and a Linear."""
+    """Residual blocks (conv + add fused), a depthwise conv, a value read after the convs (``skip``), a global
+    average pool and a Linear; the flattened pool (a view) is read after the run too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -31,11 +33,25 @@ class _Net(nn.Module):
         self.dw, self.pw = nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.Conv2d(16, 24, 1)
         self.fc = nn.Linear(24, 10)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         y = torch.relu(self.stem(x))
         skip = torch.relu(self.a2(torch.relu(self.a1(y))) + y)
         z = self.pw(torch.relu(self.dw(skip)))
-        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(z, 1), 1)), skip
+        features = torch.flatten(nn.functional.adaptive_avg_pool2d(z, 1), 1)
+        return self.fc(features), features, skip
+
+
+class _Flat(nn.Module):
+    """Convs, a flatten that copies (channels-last values with positions), Linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.c2 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.f1, self.f2 = nn.Linear(8 * 6 * 6, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.c2(torch.relu(self.c1(x))))
+        return self.f2(torch.relu(self.f1(torch.flatten(y, 1))))
 
 
 def _converted(model: nn.Module, shape: tuple[int, ...]) -> fx.GraphModule:
@@ -79,11 +95,29 @@ def test_mobilenetv2_replays_its_convs_exactly() -> None:
     prepared = fxquant.prepare(create_model("mobilenetv2"), example_inputs("mobilenetv2", 1))
     fxquant.calibrate(prepared, [example_inputs("mobilenetv2", 2, seed=s) for s in range(2)], progress=False)
     qmodel = fxquant.convert(prepared, backend="onednn")
-    assert sum(len(run.steps) for run in _runs(qmodel)) == 52  # every conv: one run from the stem to the last
+    (run,) = _runs(qmodel)  # one run from the input to the logits: quantize, 52 convs, pool, flatten, classifier
+    assert [step.op for step in qmodel.forward.plan.steps] == ["run"] and len(run.steps) == 56
     for seed in range(3):
         (x,) = example_inputs("mobilenetv2", 1, seed=seed)
         with torch.inference_mode():
             assert torch.equal(qmodel(x), _generated(qmodel, x))
+    assert all(recording is not None for recording in run.recordings.values())
+
+
+def test_a_step_that_does_more_than_one_call_leaves_the_layers_their_own_runs() -> None:
+    qmodel = _converted(_Flat(), (2, 3, 6, 6))
+    (run,) = _runs(qmodel)
+    assert [step.op for step in run.steps] == ["call_module"] * 3 + ["call_function"] + ["call_module"] * 2
+    for seed in range(3):
+        x = torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(qmodel(x), _generated(qmodel, x))
+        assert torch.equal(qmodel(x.double()), _generated(qmodel, x.double()))  # a quantize with no C loop
+    assert list(run.recordings.values()) == [None, None]  # the flatten copied; the float64 quantize is torch ops
+    assert run.narrow is not None
+    layers = [step.target for step in run.narrow if step.op == "run"]  # as grouped before the extras joined
+    assert [len(sub.steps) for sub in layers] == [2, 2]
+    # both dtypes quantize to the same uint8 layout: one recording each, replayed
+    assert all(len(sub.recordings) == 1 and None not in sub.recordings.values() for sub in layers)
 
 
 def test_concurrent_callers_get_their_own_buffers() -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from fxquant import native
 from fxquant.errors import ConfigError
+from fxquant.kernels import recording
 from fxquant.kernels.base import Backend
 from fxquant.native.scratch import scratch_like
 from fxquant.qparams import QParams, dequantize, quantize
@@ -117,7 +118,11 @@ def _native_quantize(x: torch.Tensor, qp: QParams, channels_last: bool) -> torch
         return None
     layout = torch.channels_last if channels_last else torch.contiguous_format
     out = torch.empty_like(x, dtype=qp.dtype, memory_format=layout)
-    return native.quantize_into(out, x, native.QuantizeParams(scale, zero_point, qp.qmin, qp.qmax), to_nhwc=to_nhwc)
+    params = native.QuantizeParams(scale, zero_point, qp.qmin, qp.qmax)
+    native.quantize_into(out, x, params, to_nhwc=to_nhwc)
+    if recording.active():  # a replay repeats the call (fxquant.runtime.replay)
+        recording.record(native.quantize_call(x.shape, params, to_nhwc=to_nhwc), x.data_ptr(), out)
+    return out
 
 
 def _flat_stride(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
@@ -153,7 +158,11 @@ def _native_global_mean(a: torch.Tensor, qp: QParams, output_size: Any) -> torch
     if strides is None or positions > _MEAN_POSITIONS:
         return None
     out = torch.empty((a.shape[0], a.shape[1], *ones), dtype=torch.uint8)
-    return native.channel_means_into(out, a, strides, native.ByteLevels(qp.scalar()[1], qp.qmin, qp.qmax))
+    levels = native.ByteLevels(qp.scalar()[1], qp.qmin, qp.qmax)
+    native.channel_means_into(out, a, strides, levels)
+    if recording.active():
+        recording.record(native.channel_means_call(a.shape, strides, levels), a.data_ptr(), out)
+    return out
 
 
 def _native_mul(a: torch.Tensor, b: torch.Tensor, qps: tuple[QParams, QParams, QParams],

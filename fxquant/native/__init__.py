@@ -4,7 +4,8 @@
   (:data:`loops`, :func:`loops_for`, :func:`available`, :data:`THREAD_LIMITS`);
 - :mod:`~fxquant.native.histogram`: :func:`scan_into`, the histogram observers' counting;
 - :mod:`~fxquant.native.elementwise`: :func:`quantize_into`, :func:`channel_means_into`, :func:`mul_into`,
-  :func:`lookup_into`, :func:`concat` (and :func:`dense_format`, the layout test their callers share);
+  :func:`lookup_into`, :func:`concat` (and :func:`dense_format`, the layout test their callers share;
+  :func:`quantize_call` and :func:`channel_means_call`, two of the loops on raw addresses, for replays);
 - :mod:`~fxquant.native.amx_gemm`: :func:`conv_into`, :func:`linear_rows_into`, :func:`patches_into`;
 - :mod:`~fxquant.native.isa` (what the CPU and ``FXQUANT_ISA`` allow) and :mod:`~fxquant.native.scratch`.
 
@@ -30,11 +31,13 @@ from fxquant.native.elementwise import (
     MulLayout,
     MulRequant,
     QuantizeParams,
+    channel_means_call,
     channel_means_into,
     concat,
     dense_format,
     lookup_into,
     mul_into,
+    quantize_call,
     quantize_into,
 )
 from fxquant.native.histogram import Scan, scan_into
@@ -45,8 +48,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DISABLE_ENV", "THREAD_LIMITS", "ByteLevels", "MulLayout", "MulRequant", "QuantizeParams", "Scan", "available",
-    "channel_means_into", "concat", "conv_into", "dense_format", "isa", "linear_rows_into", "loader", "lookup_into",
-    "loops", "loops_for", "mul_into", "patches_into", "quantize_into", "scan_into", "scratch",
+    "channel_means_call", "channel_means_into", "concat", "conv_into", "dense_format", "isa", "linear_rows_into",
+    "loader", "lookup_into", "loops", "loops_for", "mul_into", "patches_into", "quantize_call", "quantize_into",
+    "scan_into", "scratch",
 ]
 
 

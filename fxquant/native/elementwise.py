@@ -94,6 +94,15 @@ def dense_format(a: torch.Tensor) -> torch.memory_format | None:
     return channels_last if channels_last is not None and a.is_contiguous(memory_format=channels_last) else None
 
 
+def quantize_call(shape: Sequence[int], params: QuantizeParams, *, to_nhwc: bool) -> Callable[[int, int], None]:
+    """``quantize_f32`` for a dense float32 tensor of ``shape``, as ``run(x address, out address)`` (what
+    :func:`quantize_into` calls; a replay repeats it on other buffers of the same layouts)."""
+    outer, channels = (shape[0], shape[1]) if to_nhwc else (1, 1)
+    planes = Planes(outer, channels, math.prod(shape) // max(outer * channels, 1))
+    quantize_f32 = extension.quantize_f32
+    return lambda x, out: quantize_f32(x, out, planes, params, to_nhwc)
+
+
 def quantize_into(out: torch.Tensor, x: torch.Tensor, params: QuantizeParams, *, to_nhwc: bool) -> torch.Tensor:
     """``qparams.quantize`` of the dense float32 ``x`` into ``out`` (uint8, or int8), one read and one write per
     value (``quantize_f32``): in ``x``'s memory order, or with ``to_nhwc`` from a contiguous (N, C, ...) ``x`` into
@@ -101,10 +110,16 @@ def quantize_into(out: torch.Tensor, x: torch.Tensor, params: QuantizeParams, *,
     assert loader.loops is not None and x.dtype == torch.float32 and out.numel() == x.numel()
     info = torch.iinfo(out.dtype)
     assert out.dtype in (torch.uint8, torch.int8) and info.min <= params.qmin <= params.qmax <= info.max
-    outer, channels = (x.shape[0], x.shape[1]) if to_nhwc else (1, 1)
-    planes = Planes(outer, channels, x.numel() // max(outer * channels, 1))
-    extension.quantize_f32(x.data_ptr(), out.data_ptr(), planes, params, to_nhwc)
+    quantize_call(x.shape, params, to_nhwc=to_nhwc)(x.data_ptr(), out.data_ptr())
     return out
+
+
+def channel_means_call(shape: Sequence[int], strides: Triple, levels: ByteLevels) -> Callable[[int, int], None]:
+    """``mean_u8`` for a uint8 tensor of ``shape`` (N, C, ...) and ``strides`` (see :func:`channel_means_into`), as
+    ``run(a address, out address)``."""
+    planes = Planes(shape[0], shape[1], math.prod(shape[2:]))
+    mean_u8 = extension.mean_u8
+    return lambda a, out: mean_u8(a, out, planes, strides, levels)
 
 
 def channel_means_into(out: torch.Tensor, a: torch.Tensor, strides: Triple, levels: ByteLevels) -> torch.Tensor:
@@ -113,8 +128,7 @@ def channel_means_into(out: torch.Tensor, a: torch.Tensor, strides: Triple, leve
     position) element strides of ``a`` seen as (N, C, positions); at most ``2**32 // 255`` positions."""
     assert loader.loops is not None and a.dtype == torch.uint8 and out.dtype == torch.uint8 and out.is_contiguous()
     assert a.dim() >= 3 and out.numel() == a.shape[0] * a.shape[1]
-    planes = Planes(a.shape[0], a.shape[1], math.prod(a.shape[2:]))
-    extension.mean_u8(a.data_ptr(), out.data_ptr(), planes, strides, levels)
+    channel_means_call(a.shape, strides, levels)(a.data_ptr(), out.data_ptr())
     return out
 
 

@@ -7,6 +7,7 @@ recalibration.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -17,13 +18,30 @@ from torch import nn
 from fxquant.kernels.base import Backend, ConvAddQParams, ConvSpec, PackedWeight
 from fxquant.qparams import QParams, dequantize
 
+_GENERATIONS = itertools.count()
+
 
 class _BackendModule(nn.Module):
-    """A module whose forward runs on a backend; ``relower`` switches the backend."""
+    """A module whose forward runs on a backend; ``relower`` switches the backend.
+
+    ``generation`` takes a new value whenever an attribute is set or deleted (qparams, packed weights, buffers, the
+    backend): a run replayed from a recording (:mod:`fxquant.runtime.replay`) compares it on every call, where
+    comparing every attribute would cost more than the layer's kernel at batch 1.
+    """
+
+    generation: int
 
     def __init__(self, backend: Backend) -> None:
         super().__init__()
         self.backend = backend
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        object.__setattr__(self, "generation", next(_GENERATIONS))
+
+    def __delattr__(self, name: str) -> None:
+        super().__delattr__(name)
+        object.__setattr__(self, "generation", next(_GENERATIONS))
 
     def relower(self, backend: Backend) -> None:
         self.backend = backend

@@ -1,23 +1,27 @@
-"""Runs of oneDNN layers replayed as one recorded list of primitive calls (used by :mod:`fxquant.runtime.runner`).
+"""Runs of oneDNN layers, with the int8 steps between them, replayed as one recorded list of calls on raw addresses
+(used by :mod:`fxquant.runtime.runner`).
 
 Once each layer's kernel is a prebuilt primitive, what is left at small batches is around it: per layer a module
 call, the bound-call lookup, a fresh output tensor from the allocator at a new address (docs/backends.md "Runs of
-layers replayed" has the measurements). A run of consecutive Linear/Conv layers on the onednn backend (primitives
-fxquant builds itself, :mod:`fxquant.kernels.onednn.direct`) is recorded on its first call for each input layout
-and thread count: which primitive each layer executed, reading and writing which value. Later calls execute those
-primitives on those values' addresses and nothing else. Values that stay inside the run live in one buffer kept
-between calls, in slots shared by values whose lifetimes do not overlap (so they stay in cache); values read after
-the run are fresh tensors on every call, as before.
+layers replayed" has the measurements). A run of consecutive steps on the onednn backend is recorded on its first
+call for each input layout and thread count: which C call each step executed (:mod:`fxquant.kernels.recording`),
+reading and writing which value. A run holds Linear/Conv layers on primitives fxquant builds itself
+(:mod:`fxquant.kernels.onednn.direct`), the quantize of its input and global average pools (fxquant's C loops), and
+``flatten``/``view``/``reshape`` between them, which only name the same memory again. Later calls execute those
+calls on those values' addresses and nothing else. Values that stay inside the run live in one buffer kept between
+calls, in slots shared by values whose lifetimes do not overlap (so they stay in cache); values read after the run
+are fresh tensors on every call, as before.
 
-A recording is replayed only while it still describes what the layers do; otherwise the layers run one by one:
+A recording is replayed only while it still describes what the steps do; otherwise they run as before:
 
-* the same layer objects (found through ``_modules`` on every call, as the runner finds them) with the same
-  attributes (every ``__dict__`` value, by identity: re-lowering, new qparams, a new packing all show);
+* the same module objects (found through ``_modules`` on every call, as the runner finds them), none of which has
+  had an attribute set since (their ``generation``: re-lowering, new qparams, a new packing all show);
 * inputs of the recorded shapes, strides and dtypes, and the same ``torch.get_num_threads()``;
 * no hooks on the layers, no global hooks, no tracing;
-* each layer executed exactly one primitive, which read the layer's input where it was and wrote the layer's result
-  (or, fused with an add, its accumulator) with nothing after it: a copy to another layout, a clamp, the torch op
-  fallback or a copied accumulator leave that input layout to the layer-by-layer path.
+* each step executed exactly one recorded call, which read the step's input where it was and wrote the step's
+  result (or, fused with an add, its accumulator) with nothing after it, or (a view) made none and returned its
+  input's memory. A copy to another layout, a clamp, a torch op or a copied accumulator leave that input layout to
+  the steps' earlier grouping: runs of layers alone, the other steps one by one.
 
 The buffer is at most ``ARENA_LIMIT`` bytes (at large batches the per-layer costs are noise, and holding the
 memory between calls would cost more than the replay gains).
@@ -25,21 +29,22 @@ memory between calls would cost more than the replay gains).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
-from torch import fx, nn
+from torch import nn
 
+from fxquant.kernels import recording
 from fxquant.kernels.onednn import direct as onednn_direct
-from fxquant.nn.quantized import _QuantizedWeighted
-from fxquant.runtime.step import Step
+from fxquant.nn.quantized import Quantize, QuantizedPool, _QuantizedWeighted
+from fxquant.runtime.step import Step, execute, hooked, module_at, reads
 
 ARENA_LIMIT = 64 << 20
-RECORDINGS_PER_RUN = 16  # input layouts x thread counts kept per run of layers (one each, typically)
+RECORDINGS_PER_RUN = 16  # input layouts x thread counts kept per run (one each, typically)
 _ALIGN = 64
-
-RunLayer = Callable[[nn.Module, list[Any], bool], Any]  # a layer's ordinary call, as the runner makes it
+_VIEW_METHODS = frozenset({"flatten", "view", "reshape"})
+_VIEW_FUNCTIONS = (torch.flatten, torch.reshape)
 
 
 def replayable(module: nn.Module) -> bool:
@@ -48,16 +53,25 @@ def replayable(module: nn.Module) -> bool:
     return isinstance(module, _QuantizedWeighted) and module.backend.name == "onednn" and onednn_direct.available()
 
 
-def _reads(step: Step) -> tuple[int, ...]:
-    assert step.inputs is not None, "group() puts only steps whose arguments are all values into a run"
-    return step.inputs
+def _records_its_call(module: nn.Module) -> bool:
+    """Whether ``module`` is another int8 step whose work is one C call it records: the quantize into the onednn
+    backend's activations, a global average pool (other inputs leave the run to the earlier grouping)."""
+    if not (isinstance(module, (Quantize, QuantizedPool)) and module.backend.name == "onednn"
+            and onednn_direct.available()):
+        return False
+    return isinstance(module, Quantize) or module.kind == "adaptive_avg"
 
 
-def _module(gm: nn.Module, path: tuple[str, ...]) -> nn.Module:
-    module = gm
-    for name in path:
-        module = module._modules[name]  # type: ignore[assignment]
-    return module
+def _kind(step: Step, gm: nn.Module, extras: bool) -> str | None:
+    """How ``step`` may join a run: "layer", "call" (:func:`_records_its_call`), "view", or None."""
+    if step.op == "call_module" and step.inputs is not None:
+        module = module_at(gm, step.target)
+        if replayable(module):
+            return "layer"
+        return "call" if extras and _records_its_call(module) else None
+    views = extras and ((step.op == "call_method" and step.target in _VIEW_METHODS)
+                        or (step.op == "call_function" and any(step.target is f for f in _VIEW_FUNCTIONS)))
+    return "view" if views else None
 
 
 def _layout(value: Any) -> tuple[Any, ...]:
@@ -75,81 +89,97 @@ class _Buffer(NamedTuple):
 
 class _Recording(NamedTuple):
     modules: list[nn.Module]
-    state_ids: tuple[tuple[int, ...], ...]
-    kept: tuple[tuple[Any, ...], ...]  # the attribute values the ids belong to, alive so no id is reused
+    generations: list[int]  # of the modules (fxquant.nn.quantized._BackendModule)
     inputs: tuple[int, ...]  # env slots of the run's inputs: buffers 0..len-1
     fresh: tuple[tuple[int, torch.Size, tuple[int, ...], torch.dtype], ...]  # buffers made on every call
     arena: tuple[tuple[int, int], ...]  # (buffer, offset) inside the kept buffer
     arena_bytes: int
     buffers: int
-    calls: tuple[tuple[Callable[[int, int], None], int, int], ...]  # (primitive run, source buffer, destination)
-    outputs: tuple[tuple[int, int], ...]  # (env slot, buffer) of the values read after the run
+    calls: tuple[tuple[recording.AddressCall, int, int], ...]  # (recorded call, source buffer, destination)
+    # (env slot, buffer, None or the (shape, strides) a view gives it) of the values read after the run
+    outputs: tuple[tuple[int, int, tuple[torch.Size, tuple[int, ...]] | None], ...]
     pool: list[tuple[torch.Tensor, list[int]]]  # kept buffers not in use, with their buffers' addresses
 
 
 class Run:
-    """Consecutive runner steps that call onednn layers; called in the runner's place for all of them."""
+    """Consecutive runner steps on the onednn backend (see the module docstring); called in the runner's place for
+    all of them."""
 
-    def __init__(self, steps: Sequence[Step], escaping: frozenset[int], run_layer: RunLayer) -> None:
+    def __init__(self, steps: Sequence[Step], escaping: frozenset[int], gm: nn.Module) -> None:
         self.steps = tuple(steps)
-        self.reads = tuple(_reads(step) for step in self.steps)  # each layer's argument slots
+        self.reads = tuple(reads(step) for step in self.steps)  # each step's argument slots
         self.escaping = escaping
-        self.run_layer = run_layer
+        self.extras = any(_kind(step, gm, False) != "layer" for step in self.steps)  # anything but layers
         produced = {step.slot for step in self.steps}
         inputs: dict[int, None] = {}
-        for reads in self.reads:
-            inputs.update((slot, None) for slot in reads if slot not in produced)
+        for slots in self.reads:
+            inputs.update((slot, None) for slot in slots if slot not in produced)
         self.inputs = tuple(inputs)
         self.recordings: dict[tuple[Any, ...], _Recording | None] = {}
+        self.narrow: list[Step] | None = None  # the steps as grouped without the extras, made when first needed
 
-    def __call__(self, env: list[Any], gm: nn.Module, plain: bool, hooked: Callable[[nn.Module], bool]) -> None:
-        modules = [_module(gm, step.target) for step in self.steps]
+    def __call__(self, env: list[Any], gm: nn.Module, plain: bool) -> None:
+        modules = [module_at(gm, step.target) for step in self.steps if step.op == "call_module"]
         if not plain or any(map(hooked, modules)):
-            self._one_by_one(env, modules, plain)
+            _walk(self.steps, env, gm, plain)
             return
         key = (torch.get_num_threads(), *(_layout(env[slot]) for slot in self.inputs))
         if key not in self.recordings and len(self.recordings) >= RECORDINGS_PER_RUN:
-            self._one_by_one(env, modules, plain)  # too many layouts: the rest run as before
+            _walk(self.steps, env, gm, plain)  # too many layouts: the rest run as before
             return
         if key not in self.recordings or not _current(self.recordings[key], modules):
-            self.recordings[key] = self._record(env, modules)
+            self.recordings[key] = self._record(env, gm, modules)
             return
         recording = self.recordings[key]
-        if recording is None:
-            self._one_by_one(env, modules, plain)
-        else:
+        if recording is not None:
             _replay(recording, env)
+        elif self.extras:  # some step did more than one recorded call: runs of the layers alone may still replay
+            _walk(self._narrowed(gm), env, gm, plain)
+        else:
+            _walk(self.steps, env, gm, plain)
 
-    def _one_by_one(self, env: list[Any], modules: list[nn.Module], plain: bool) -> None:
-        for module, step, reads in zip(modules, self.steps, self.reads, strict=True):
-            env[step.slot] = self.run_layer(module, [env[i] for i in reads], plain)
-            for dead in step.freed:
-                env[dead] = None
+    def _narrowed(self, gm: nn.Module) -> list[Step]:
+        if self.narrow is None:
+            last_read: dict[int, int] = {}
+            for position, slots in enumerate(self.reads):
+                last_read.update((slot, position) for slot in slots)
+            last_read.update((slot, len(self.steps)) for slot in self.escaping)
+            self.narrow = group(list(self.steps), gm, last_read, extras=False)
+        return self.narrow
 
-    def _record(self, env: list[Any], modules: list[nn.Module]) -> _Recording | None:
-        """Run the layers one by one (filling ``env``), recording their primitives; the recording, or None where
-        some layer did more than execute one primitive in place."""
+    def _record(self, env: list[Any], gm: nn.Module, modules: list[nn.Module]) -> _Recording | None:
+        """Run the steps one by one (filling ``env``), recording their calls; the recording, or None where some
+        step did more than one recorded call in place."""
         values: dict[int, Any] = {slot: env[slot] for slot in self.inputs}
-        executed: list[tuple[list[onednn_direct.Record], list[Any], Any]] = []
-        with onednn_direct.recording() as log:
-            for module, step, reads in zip(modules, self.steps, self.reads, strict=True):
-                args = [values[i] for i in reads]
+        executed: list[tuple[list[recording.Record], list[Any], Any]] = []
+        with recording.recording() as log:
+            for step, slots in zip(self.steps, self.reads, strict=True):
+                args = [values[i] for i in slots]
                 start = len(log)
-                values[step.slot] = self.run_layer(module, args, True)
+                values[step.slot] = execute(step, values, gm, True)
                 executed.append((log[start:], args, values[step.slot]))
         for slot in self.escaping:
             env[slot] = values[slot]
         return self._compile(modules, executed)
 
     def _compile(self, modules: list[nn.Module],
-                 executed: list[tuple[list[onednn_direct.Record], list[Any], Any]]) -> _Recording | None:
+                 executed: list[tuple[list[recording.Record], list[Any], Any]]) -> _Recording | None:
         buffer_of = {slot: index for index, slot in enumerate(self.inputs)}
         made: dict[int, tuple[int, Any]] = {}  # buffer -> (position made, tensor)
+        views: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}  # slot -> its layout, for views read later
         calls = []
         for position, ((records, args, out), step) in enumerate(zip(executed, self.steps, strict=True)):
+            if not isinstance(out, torch.Tensor):
+                return None
+            if step.op != "call_module":  # a view: no call, the same memory under another shape
+                if records or len(args) != 1 or out.data_ptr() != args[0].data_ptr() or out.dtype != args[0].dtype:
+                    return None  # it copied
+                buffer_of[step.slot] = buffer_of[self.reads[position][0]]
+                views[step.slot] = (out.shape, out.stride())
+                continue
             record = records[0] if len(records) == 1 else None
-            if record is None or not isinstance(out, torch.Tensor):
-                return None  # no primitive, several, or something after one (a clamp)
+            if record is None:
+                return None  # no recorded call, several, or something after one (a clamp)
             run, source, destination, written = record
             if written is not out or source != args[0].data_ptr():
                 return None  # the result is another tensor, or the input was copied first
@@ -168,20 +198,19 @@ class Run:
         arena, arena_bytes = _pack({b: buf for b, buf in buffers.items() if not buf.escapes})
         if arena_bytes > ARENA_LIMIT:
             return None
-        kept = tuple(tuple(module.__dict__.values()) for module in modules)
         fresh = tuple((b, made[b][1].shape, made[b][1].stride(), made[b][1].dtype)
                       for b, buf in buffers.items() if buf.escapes)
-        outputs = tuple((slot, buffer_of[slot]) for slot in sorted(self.escaping))
-        return _Recording(list(modules), tuple(tuple(map(id, values)) for values in kept), kept, self.inputs, fresh,
-                          tuple(arena.items()), arena_bytes, len(self.inputs) + len(made), tuple(calls), outputs, [])
+        outputs = tuple((slot, buffer_of[slot], views.get(slot)) for slot in sorted(self.escaping))
+        return _Recording(list(modules), _generations(modules), self.inputs, fresh, tuple(arena.items()), arena_bytes,
+                          len(self.inputs) + len(made), tuple(calls), outputs, [])
 
     def _buffers(self, buffer_of: dict[int, int], made: dict[int, tuple[int, Any]]) -> dict[int, _Buffer]:
         """Lifetimes of the buffers the run makes: from the step making one to the last step reading any value in
         it (a sum writes a new value into its accumulator's buffer), or escaping if a value in it is read later."""
         last = {b: position for b, (position, _) in made.items()}
         escapes: set[int] = set()
-        for position, reads in enumerate(self.reads):
-            for slot in reads:
+        for position, slots in enumerate(self.reads):
+            for slot in slots:
                 last[buffer_of[slot]] = max(last.get(buffer_of[slot], -1), position)
         for slot in self.escaping:
             escapes.add(buffer_of[slot])
@@ -189,14 +218,17 @@ class Run:
                 for b, (position, tensor) in made.items()}
 
 
+def _generations(modules: list[nn.Module]) -> list[int]:
+    return [module.generation for module in modules]  # type: ignore[misc]  # every member is a _BackendModule
+
+
 def _current(recording: _Recording | None, modules: list[nn.Module]) -> bool:
-    """Whether the layers are the recorded objects with the recorded attributes (compared by identity); a layout
-    that could not be recorded stays so."""
+    """Whether the modules are the recorded objects, none changed since (see the module docstring); a layout that
+    could not be recorded stays so."""
     if recording is None:
         return True
-    return all(a is b for a, b in zip(modules, recording.modules, strict=True)) and all(
-        tuple(map(id, module.__dict__.values())) == ids
-        for module, ids in zip(modules, recording.state_ids, strict=True))
+    return _generations(modules) == recording.generations and all(
+        a is b for a, b in zip(modules, recording.modules, strict=True))
 
 
 def _pack(buffers: dict[int, _Buffer]) -> tuple[dict[int, int], int]:
@@ -219,7 +251,7 @@ def _pack(buffers: dict[int, _Buffer]) -> tuple[dict[int, int], int]:
 
 
 def _replay(recording: _Recording, env: list[Any]) -> None:
-    """The recorded primitives on this call's inputs, fresh output tensors and a kept buffer not in use."""
+    """The recorded calls on this call's inputs, fresh output tensors and a kept buffer not in use."""
     pool = recording.pool
     block, addresses = pool.pop() if pool else _block(recording)
     try:
@@ -235,8 +267,8 @@ def _replay(recording: _Recording, env: list[Any]) -> None:
             run(pointers[source], pointers[destination])
     finally:
         pool.append((block, addresses))  # another thread may have used its own meanwhile: both are kept
-    for slot, buffer in recording.outputs:
-        env[slot] = tensors[buffer]
+    for slot, buffer, view in recording.outputs:
+        env[slot] = tensors[buffer] if view is None else tensors[buffer].as_strided(*view)
 
 
 def _block(recording: _Recording) -> tuple[torch.Tensor, list[int]]:
@@ -247,27 +279,48 @@ def _block(recording: _Recording) -> tuple[torch.Tensor, list[int]]:
     return block, addresses
 
 
-def group(steps: list[Step], gm: fx.GraphModule, last_read: dict[int, int], run_layer: RunLayer) -> list[Step]:
-    """``steps`` with every stretch of two or more consecutive onednn layer steps replaced by one ``Run`` step;
+def _walk(steps: Sequence[Step], env: list[Any], gm: nn.Module, plain: bool) -> None:
+    """``steps`` as the runner walks them (a run among them replays on its own)."""
+    for step in steps:
+        if step.op == "run":
+            step.target(env, gm, plain)
+        else:
+            env[step.slot] = execute(step, env, gm, plain)
+        for dead in step.freed:
+            env[dead] = None
+
+
+def group(steps: list[Step], gm: nn.Module, last_read: dict[int, int], *, extras: bool = True) -> list[Step]:
+    """``steps`` with every stretch that makes two or more calls on the onednn backend replaced by one ``Run`` step:
+    layers, and with ``extras`` the other recorded steps and views in between (see the module docstring);
     ``last_read``: per slot, the position of the last step reading it (past the end for the graph's output)."""
     grouped: list[Step] = []
     stretch: list[Step] = []
+    calls = 0
 
     def close(end: int) -> None:
-        if len(stretch) < 2:
+        tail: list[Step] = []
+        while stretch and stretch[-1].op != "call_module":  # views at the end stay outside: nothing to gain
+            tail.insert(0, stretch.pop())
+        end -= len(tail)
+        if calls < 2:
             grouped.extend(stretch)
         else:
             produced = {step.slot for step in stretch}
             escaping = frozenset(slot for slot in produced if last_read.get(slot, -1) >= end)
             freed = tuple(slot for step in stretch for slot in step.freed if slot not in produced)
-            grouped.append(Step(-1, "run", Run(stretch, escaping, run_layer), None, (), {}, freed))
+            grouped.append(Step(-1, "run", Run(stretch, escaping, gm), None, (), {}, freed))
+        grouped.extend(tail)
         stretch.clear()
 
     for position, step in enumerate(steps):
-        if step.op == "call_module" and step.inputs is not None and replayable(_module(gm, step.target)):
+        kind = _kind(step, gm, extras)
+        if kind is not None and (kind != "view" or stretch):
             stretch.append(step)
+            calls += kind != "view"
         else:
             close(position)
+            calls = 0
             grouped.append(step)
     close(len(steps))
     return grouped

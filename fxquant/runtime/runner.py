@@ -20,25 +20,18 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
-from torch import fx, nn
-from torch.fx.node import map_arg
+from torch import fx
 from torch.nn.modules import module as module_globals
 
 from fxquant.runtime import attention, replay
-from fxquant.runtime.step import Step
+from fxquant.runtime.step import Step, load, run, slotted
 from fxquant.state import STATE_KEY
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
-
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks)
-
 
 def _any_global_hooks() -> bool:
     return any(getattr(module_globals, name, None) for name in _GLOBAL_HOOKS)
@@ -79,7 +72,7 @@ class GraphRunner:
                                                     default=default))
                 continue
             if node.op == "output":
-                output = _slotted(node.args[0], slot)
+                output = slotted(node.args[0], slot)
                 position[node] = len(steps)
                 break
             position[node] = len(steps)
@@ -90,9 +83,9 @@ class GraphRunner:
                 target = attention.scaled_dot_product_attention
             direct = all(isinstance(arg, fx.Node) for arg in node.args) and not node.kwargs
             steps.append(Step(slot[node], node.op, target, tuple(slot[arg] for arg in node.args) if direct else None,
-                              _slotted(node.args, slot), _slotted(node.kwargs, slot), tuple(freed.get(node, ()))))
+                              slotted(node.args, slot), slotted(node.kwargs, slot), tuple(freed.get(node, ()))))
         last_read = {slot[used]: position[user] for used, user in last_use.items() if user in position}
-        grouped = replay.group(steps, gm, last_read, _run_layer)  # oneDNN layers replayed as one step
+        grouped = replay.group(steps, gm, last_read)  # oneDNN layers replayed as one step
         return _Plan(gm.code, len(nodes), tuple(placeholders), tuple(grouped), output, inspect.Signature(parameters))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -110,7 +103,7 @@ class GraphRunner:
         plain = not (torch._C._get_tracing_state() or _any_global_hooks())
         for index, op, target, direct, node_args, node_kwargs, freed in plan.steps:
             if op == "run":  # consecutive oneDNN layers (fxquant.runtime.replay)
-                target(env, self.gm, plain, _hooked)
+                target(env, self.gm, plain)
                 for dead in freed:
                     env[dead] = None
                 continue
@@ -118,11 +111,11 @@ class GraphRunner:
                 call_args: Any = [env[i] for i in direct]
                 call_kwargs: dict[str, Any] = {}
             else:
-                call_args, call_kwargs = _load(node_args, env), _load(node_kwargs, env)
-            env[index] = _run(op, target, call_args, call_kwargs, self.gm, plain)
+                call_args, call_kwargs = load(node_args, env), load(node_kwargs, env)
+            env[index] = run(op, target, call_args, call_kwargs, self.gm, plain)
             for dead in freed:
                 env[dead] = None
-        return _load(plan.output, env)
+        return load(plan.output, env)
 
 
 class _Plan(NamedTuple):
@@ -136,55 +129,6 @@ class _Plan(NamedTuple):
 
 class _Unsupported(Exception):
     """A graph the runner does not walk (the generated code keeps it)."""
-
-
-class _Slot:
-    """Where a node's value lives in the runner's list."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-def _slotted(value: Any, slot: dict[fx.Node, int]) -> Any:
-    """``value`` (node arguments) with every node replaced by the slot its value will be in."""
-    return map_arg(value, lambda node: cast(Any, _Slot(slot[node])))
-
-
-def _load(value: Any, env: list[Any]) -> Any:
-    if isinstance(value, _Slot):
-        return env[value.index]
-    if isinstance(value, tuple):
-        return tuple(_load(item, env) for item in value)
-    if isinstance(value, list):
-        return [_load(item, env) for item in value]
-    if isinstance(value, dict):
-        return {key: _load(item, env) for key, item in value.items()}
-    if isinstance(value, slice):
-        return slice(_load(value.start, env), _load(value.stop, env), _load(value.step, env))
-    return value
-
-
-def _run_layer(module: nn.Module, args: list[Any], plain: bool, kwargs: dict[str, Any] | None = None) -> Any:
-    call: Callable[..., Any] = module.forward if plain and not _hooked(module) else module
-    return call(*args, **(kwargs or {}))
-
-
-def _run(op: str, target: Any, args: Any, kwargs: dict[str, Any], gm: fx.GraphModule, plain: bool) -> Any:
-    if op == "call_module":
-        module: nn.Module = gm
-        for name in target:
-            module = module._modules[name]  # type: ignore[assignment]
-        return _run_layer(module, args, plain, kwargs)
-    if op == "call_function":
-        return target(*args, **kwargs)
-    if op == "call_method":
-        return getattr(args[0], target)(*args[1:], **kwargs)
-    value: Any = gm  # get_attr: looked up on every call, as the generated code does
-    for name in target:
-        value = getattr(value, name)
-    return value
 
 
 def install(gm: fx.GraphModule) -> fx.GraphModule:

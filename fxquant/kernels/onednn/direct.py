@@ -16,19 +16,18 @@ the torch ops: same results, more time per call.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes.util
 import functools
 import os
 import sys
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from fxquant.kernels import recording
 from fxquant.kernels.base import ConvSpec
 
 _dnnl: ModuleType | None
@@ -42,37 +41,9 @@ _ELTWISE = {"relu": (32, 0.0, 0.0), "silu": (44, 1.0, 0.0), "hardswish": (52, 1.
             "gelu": (49, 0.0, 0.0), "gelu_tanh": (43, 0.0, 0.0)}  # dnnl_eltwise_* (oneDNN v3) and alpha, beta
 _MEMORY_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
 Output = tuple[float, int, torch.dtype]  # (scale, zero point, dtype) of a result; float32 results: (1.0, 0, float32)
-# One executed primitive: its run, source and destination addresses and the destination tensor; None: some other
-# operation on a result (a clamp after the primitive)
-Record = tuple[Callable[[int, int], None], int, int, torch.Tensor] | None
 # The int8 weight a primitive is built from: the dense plain tensor, or, for a layer whose primitives hold its only
 # copy, a function making the plain tensor anew (see ``_primitive``)
 Weight = torch.Tensor | Callable[[], torch.Tensor]
-_recorder = threading.local()
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list[Record]]:
-    """Every primitive this thread executes inside the block, in order (:mod:`fxquant.runtime.replay` replays them)."""
-    log: list[Record] = []
-    _recorder.log = log
-    try:
-        yield log
-    finally:
-        _recorder.log = None
-
-
-def _record(run: Callable[[int, int], None], src: int, out: torch.Tensor) -> None:
-    log = getattr(_recorder, "log", None)
-    if log is not None:
-        log.append((run, src, out.data_ptr(), out))
-
-
-def record_other() -> None:
-    """Note, while recording, that something else changed a primitive's result in place (it cannot be replayed)."""
-    log = getattr(_recorder, "log", None)
-    if log is not None:
-        log.append(None)
 
 
 def _candidates() -> list[str]:
@@ -185,7 +156,7 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
         a = _uint8_input(a, memory_format)
         out = empty(out_shape, out_strides, dtype=dtype)
         run(a.data_ptr(), out.data_ptr())
-        _record(run, a.data_ptr(), out)
+        recording.record(run, a.data_ptr(), out)
         return out
 
     def call_sum(a: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
@@ -193,7 +164,7 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
         # an accumulator that is read later: QuantizedConvAdd2d.clone_accum)
         a, out = _uint8_input(a, memory_format), _uint8_input(accum, memory_format)  # held: run() reads them
         run(a.data_ptr(), out.data_ptr())
-        _record(run, a.data_ptr(), out)
+        recording.record(run, a.data_ptr(), out)
         return out
 
     chosen = call if accum_qp is None else call_sum
@@ -222,7 +193,7 @@ def linear(weight: Weight, out_features: int, scales: torch.Tensor, bias: torch.
         a = _uint8_input(a, torch.contiguous_format)
         out = empty(out_shape, dtype=dtype)
         run(a.data_ptr(), out.data_ptr())
-        _record(run, a.data_ptr(), out)
+        recording.record(run, a.data_ptr(), out)
         return out
 
     call.primitive = primitive  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from fxquant.kernels.onednn import direct as onednn_direct
+from fxquant.kernels import recording
 from fxquant.kernels.onednn.direct import Output
 from fxquant.kernels.onednn.weights import Call
 from fxquant.qparams import UINT8_RANGE, QParams
@@ -57,7 +57,7 @@ def clamped(call: Call, clamp: Clamp | None) -> Call:
 
     def clamped_call(*tensors: torch.Tensor) -> torch.Tensor:
         out = call(*tensors).clamp_(*clamp)
-        onednn_direct.record_other()  # a recording of this layer's primitive alone would skip the clamp
+        recording.record_other()  # a recording of this layer's primitive alone would skip the clamp
         return out
 
     return clamped_call
