@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif("onednn" not in available_backends() or not oned
 
 
 class _Net(nn.Module):
-    """Residual blocks (conv + add fused), a depthwise conv, a value read after the convs (``skip``), a global
-    average pool and a Linear; the flattened pool (a view) is read after the run too."""
+    """A max pool, residual blocks (conv + add fused), a depthwise conv, a value read after the convs (``skip``), a
+    global average pool and a Linear, the flattened pool read after it too."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -34,7 +34,7 @@ class _Net(nn.Module):
         self.fc = nn.Linear(24, 10)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        y = torch.relu(self.stem(x))
+        y = nn.functional.max_pool2d(torch.relu(self.stem(x)), 3, stride=2, padding=1)
         skip = torch.relu(self.a2(torch.relu(self.a1(y))) + y)
         z = self.pw(torch.relu(self.dw(skip)))
         features = torch.flatten(nn.functional.adaptive_avg_pool2d(z, 1), 1)
@@ -78,7 +78,11 @@ def _same(a: Any, b: Any) -> bool:
 def test_replayed_runs_compute_the_generated_codes_bits_call_after_call() -> None:
     qmodel = _converted(_Net(), (2, 3, 16, 16))
     runs = _runs(qmodel)
-    assert runs and all(len(run.steps) >= 2 for run in runs)
+    # the input's quantize to the residual blocks, whose output is dequantized (``skip``); the depthwise conv to the
+    # global pool; the Linear follows the dequantize of the flattened features
+    assert [[type(qmodel.get_submodule(".".join(step.target))).__name__ for step in run.steps] for run in runs] == [
+        ["Quantize", "QuantizedConv2d", "QuantizedPool", "QuantizedConv2d", "QuantizedConvAdd2d"],
+        ["QuantizedConv2d", "QuantizedConv2d", "QuantizedPool"]]
     first = None
     for seed, shape in enumerate([(2, 3, 16, 16), (2, 3, 16, 16), (1, 3, 20, 12), (2, 3, 16, 16), (1, 3, 20, 12)]):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))

@@ -5,7 +5,8 @@
 - :mod:`~fxquant.native.histogram`: :func:`scan_into`, the histogram observers' counting;
 - :mod:`~fxquant.native.elementwise`: :func:`quantize_into`, :func:`channel_means_into`, :func:`mul_into`,
   :func:`lookup_into`, :func:`concat` (and :func:`dense_format`, the layout test their callers share;
-  :func:`quantize_call` and :func:`channel_means_call`, two of the loops on raw addresses, for replays);
+  :func:`quantize_call`, :func:`channel_means_call` and :func:`max_pool_call`, loops on raw addresses, the last
+  only so: a replay repeats them);
 - :mod:`~fxquant.native.amx_gemm`: :func:`conv_into`, :func:`linear_rows_into`, :func:`patches_into`;
 - :mod:`~fxquant.native.isa` (what the CPU and ``FXQUANT_ISA`` allow) and :mod:`~fxquant.native.scratch`.
 
@@ -30,12 +31,15 @@ from fxquant.native.elementwise import (
     ByteLevels,
     MulLayout,
     MulRequant,
+    PoolShape,
+    PoolWindow,
     QuantizeParams,
     channel_means_call,
     channel_means_into,
     concat,
     dense_format,
     lookup_into,
+    max_pool_call,
     mul_into,
     quantize_call,
     quantize_into,
@@ -47,10 +51,10 @@ if TYPE_CHECKING:
     from fxquant.native.loader import loops
 
 __all__ = [
-    "DISABLE_ENV", "THREAD_LIMITS", "ByteLevels", "MulLayout", "MulRequant", "QuantizeParams", "Scan", "available",
-    "channel_means_call", "channel_means_into", "concat", "conv_into", "dense_format", "isa", "linear_rows_into",
-    "loader", "lookup_into", "loops", "loops_for", "mul_into", "patches_into", "quantize_call", "quantize_into",
-    "scan_into", "scratch",
+    "DISABLE_ENV", "THREAD_LIMITS", "ByteLevels", "MulLayout", "MulRequant", "PoolShape", "PoolWindow",
+    "QuantizeParams", "Scan", "available", "channel_means_call", "channel_means_into", "concat", "conv_into",
+    "dense_format", "isa", "linear_rows_into", "loader", "lookup_into", "loops", "loops_for", "max_pool_call",
+    "mul_into", "patches_into", "quantize_call", "quantize_into", "scan_into", "scratch",
 ]
 
 

@@ -82,6 +82,30 @@ class ByteRows(NamedTuple):
     stride: int
 
 
+class PoolShape(NamedTuple):
+    """C ``PoolShape``: a dense channels-last uint8 input (batch, height, width, channels) and its output's size."""
+
+    batch: int
+    height: int
+    width: int
+    channels: int
+    out_h: int
+    out_w: int
+
+
+class PoolWindow(NamedTuple):
+    """C ``PoolWindow``: a 2-d pooling window's size, stride, padding and dilation, (height, width) each."""
+
+    kernel_h: int
+    kernel_w: int
+    stride_h: int
+    stride_w: int
+    pad_h: int
+    pad_w: int
+    dilation_h: int
+    dilation_w: int
+
+
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
@@ -130,6 +154,12 @@ def channel_means_into(out: torch.Tensor, a: torch.Tensor, strides: Triple, leve
     assert a.dim() >= 3 and out.numel() == a.shape[0] * a.shape[1]
     channel_means_call(a.shape, strides, levels)(a.data_ptr(), out.data_ptr())
     return out
+
+
+def max_pool_call(shape: PoolShape, window: PoolWindow) -> Callable[[int, int], None]:
+    """``max_pool_u8`` on a dense channels-last uint8 input of ``shape``, as ``run(x address, out address)``."""
+    max_pool_u8 = extension.max_pool_u8
+    return lambda x, out: max_pool_u8(x, out, shape, window)
 
 
 def mul_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layout: MulLayout,

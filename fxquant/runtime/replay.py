@@ -6,11 +6,11 @@ call, the bound-call lookup, a fresh output tensor from the allocator at a new a
 layers replayed" has the measurements). A run of consecutive steps on the onednn backend is recorded on its first
 call for each input layout and thread count: which C call each step executed (:mod:`fxquant.kernels.recording`),
 reading and writing which value. A run holds Linear/Conv layers on primitives fxquant builds itself
-(:mod:`fxquant.kernels.onednn.direct`), the quantize of its input and global average pools (fxquant's C loops), and
-``flatten``/``view``/``reshape`` between them, which only name the same memory again. Later calls execute those
-calls on those values' addresses and nothing else. Values that stay inside the run live in one buffer kept between
-calls, in slots shared by values whose lifetimes do not overlap (so they stay in cache); values read after the run
-are fresh tensors on every call, as before.
+(:mod:`fxquant.kernels.onednn.direct`), the quantize of its input, global average and max pools (fxquant's C
+loops), and ``flatten``/``view``/``reshape`` between them, which only name the same memory again. Later calls
+execute those calls on those values' addresses and nothing else. Values that stay inside the run live in one buffer
+kept between calls, in slots shared by values whose lifetimes do not overlap (so they stay in cache); values read
+after the run are fresh tensors on every call, as before.
 
 A recording is replayed only while it still describes what the steps do; otherwise they run as before:
 
@@ -20,7 +20,7 @@ A recording is replayed only while it still describes what the steps do; otherwi
 * no hooks on the layers, no global hooks, no tracing;
 * each step executed exactly one recorded call, which read the step's input where it was and wrote the step's
   result (or, fused with an add, its accumulator) with nothing after it, or (a view) made none and returned its
-  input's memory. A copy to another layout, a clamp, a torch op or a copied accumulator leave that input layout to
+  input's memory for the run alone to read. A copy to another layout, a clamp, a torch op or a copied accumulator leave that input layout to
   the steps' earlier grouping: runs of layers alone, the other steps one by one.
 
 The buffer is at most ``ARENA_LIMIT`` bytes (at large batches the per-layer costs are noise, and holding the
@@ -55,11 +55,12 @@ def replayable(module: nn.Module) -> bool:
 
 def _records_its_call(module: nn.Module) -> bool:
     """Whether ``module`` is another int8 step whose work is one C call it records: the quantize into the onednn
-    backend's activations, a global average pool (other inputs leave the run to the earlier grouping)."""
+    backend's activations, a global average pool, a max pool (inputs their loops do not take leave the run to the
+    earlier grouping)."""
     if not (isinstance(module, (Quantize, QuantizedPool)) and module.backend.name == "onednn"
             and onednn_direct.available()):
         return False
-    return isinstance(module, Quantize) or module.kind == "adaptive_avg"
+    return isinstance(module, Quantize) or module.kind in ("adaptive_avg", "max")
 
 
 def _kind(step: Step, gm: nn.Module, extras: bool) -> str | None:
@@ -96,8 +97,7 @@ class _Recording(NamedTuple):
     arena_bytes: int
     buffers: int
     calls: tuple[tuple[recording.AddressCall, int, int], ...]  # (recorded call, source buffer, destination)
-    # (env slot, buffer, None or the (shape, strides) a view gives it) of the values read after the run
-    outputs: tuple[tuple[int, int, tuple[torch.Size, tuple[int, ...]] | None], ...]
+    outputs: tuple[tuple[int, int], ...]  # (env slot, buffer) of the values read after the run
     pool: list[tuple[torch.Tensor, list[int]]]  # kept buffers not in use, with their buffers' addresses
 
 
@@ -166,16 +166,15 @@ class Run:
                  executed: list[tuple[list[recording.Record], list[Any], Any]]) -> _Recording | None:
         buffer_of = {slot: index for index, slot in enumerate(self.inputs)}
         made: dict[int, tuple[int, Any]] = {}  # buffer -> (position made, tensor)
-        views: dict[int, tuple[torch.Size, tuple[int, ...]]] = {}  # slot -> its layout, for views read later
         calls = []
         for position, ((records, args, out), step) in enumerate(zip(executed, self.steps, strict=True)):
             if not isinstance(out, torch.Tensor):
                 return None
             if step.op != "call_module":  # a view: no call, the same memory under another shape
-                if records or len(args) != 1 or out.data_ptr() != args[0].data_ptr() or out.dtype != args[0].dtype:
-                    return None  # it copied
+                if (records or len(args) != 1 or out.data_ptr() != args[0].data_ptr() or out.dtype != args[0].dtype
+                        or step.slot in self.escaping):
+                    return None  # it copied, or it is read after the run (its buffer would need its own shape)
                 buffer_of[step.slot] = buffer_of[self.reads[position][0]]
-                views[step.slot] = (out.shape, out.stride())
                 continue
             record = records[0] if len(records) == 1 else None
             if record is None:
@@ -200,7 +199,7 @@ class Run:
             return None
         fresh = tuple((b, made[b][1].shape, made[b][1].stride(), made[b][1].dtype)
                       for b, buf in buffers.items() if buf.escapes)
-        outputs = tuple((slot, buffer_of[slot], views.get(slot)) for slot in sorted(self.escaping))
+        outputs = tuple((slot, buffer_of[slot]) for slot in sorted(self.escaping))
         return _Recording(list(modules), _generations(modules), self.inputs, fresh, tuple(arena.items()), arena_bytes,
                           len(self.inputs) + len(made), tuple(calls), outputs, [])
 
@@ -267,8 +266,8 @@ def _replay(recording: _Recording, env: list[Any]) -> None:
             run(pointers[source], pointers[destination])
     finally:
         pool.append((block, addresses))  # another thread may have used its own meanwhile: both are kept
-    for slot, buffer, view in recording.outputs:
-        env[slot] = tensors[buffer] if view is None else tensors[buffer].as_strided(*view)
+    for slot, buffer in recording.outputs:
+        env[slot] = tensors[buffer]
 
 
 def _block(recording: _Recording) -> tuple[torch.Tensor, list[int]]:

@@ -107,6 +107,32 @@ static PyObject *mean_u8(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* max_pool_u8(x_ptr, out_ptr, (batch, height, width, channels, out_h, out_w),
+ *             (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w)) */
+static PyObject *max_pool_u8(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, out_addr;
+    PoolShape s;
+    PoolWindow w;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "KK(LLLLLL)(LLLLLLLL)", &x_addr, &out_addr, &s.batch, &s.height, &s.width,
+                          &s.channels, &s.out_h, &s.out_w, &w.kernel_h, &w.kernel_w, &w.stride_h, &w.stride_w,
+                          &w.pad_h, &w.pad_w, &w.dilation_h, &w.dilation_w))
+        return NULL;
+    /* every output's window must start inside the padded input and hold an in-bounds tap (torch's own rule:
+     * padding at most half the window), of at most FXQ_POOL_MAX_KERNEL rows */
+    if (s.batch < 0 || s.height < 1 || s.width < 1 || s.channels < 1 || s.out_h < 1 || s.out_w < 1 ||
+        w.kernel_h < 1 || w.kernel_h > FXQ_POOL_MAX_KERNEL || w.kernel_w < 1 || w.stride_h < 1 || w.stride_w < 1 || w.dilation_h < 1 ||
+        w.dilation_w < 1 || w.pad_h < 0 || w.pad_w < 0 || 2 * w.pad_h > w.kernel_h || 2 * w.pad_w > w.kernel_w ||
+        (s.out_h - 1) * w.stride_h - w.pad_h >= s.height || (s.out_w - 1) * w.stride_w - w.pad_w >= s.width) {
+        PyErr_SetString(PyExc_ValueError, "max_pool_u8: bad shape or window");
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    fxq_max_pool_u8(PTR(const uint8_t, x_addr), PTR(uint8_t, out_addr), &s, &w);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* mul_u8((outer, rows, length), (a_ptr, a_strides), (b_ptr, b_strides), (out_ptr, out_strides),
  *        (za, zb, zo, qmin, qmax, factor, wide)) */
 static PyObject *mul_u8(PyObject *self, PyObject *args) {
@@ -303,6 +329,7 @@ static PyMethodDef methods[] = {
     {"scan_f32", scan_f32, METH_VARARGS, "Min, max and grid counts of dense float32 values in one read."},
     {"quantize_f32", quantize_f32, METH_VARARGS, "float32 -> uint8/int8 with one scale and zero point (NCHW->NHWC)."},
     {"mean_u8", mean_u8, METH_VARARGS, "Rounded per-channel means of uint8 activations (global average pool)."},
+    {"max_pool_u8", max_pool_u8, METH_VARARGS, "A 2-d max pool of channels-last uint8 activations."},
     {"mul_u8", mul_u8, METH_VARARGS, "Product of two uint8 activations (b may broadcast), rounded once."},
     {"lookup_u8", lookup_u8, METH_VARARGS, "dst[i] = table[src[i]] over n bytes (a 256-entry table)."},
     {"conv_u8", conv_u8, METH_VARARGS, "A conv as fbgemm or qnnpack computes it, on AMX tiles."},

@@ -12,6 +12,7 @@
  *   int8_groups.c int8_groups_f32: a per-group dynamic INT8 Linear on AVX512-VNNI (fxquant/native/per_group.py)
  *   attention.c   causal_attention_f32: a decoder's causal attention in float32 (fxquant/native/attention.py)
  *   full_attention.c full_attention_f32: attention over every key, with a mask, in float32 (the same wrapper)
+ *   pool.c        max_pool_u8: a 2-d max pool of channels-last uint8 activations (fxquant/native/elementwise.py)
  * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share; exp2.h: the attention
  * loops' 2^x)
  * Each struct is one Python tuple of the same fields in the same order (fxquant/native/_native.pyi), and each kernel
@@ -56,6 +57,22 @@
  * it. Defined in module.c. */
 enum { ISA_AVX2, ISA_AVX512, ISA_VNNI, ISA_AMX };
 FXQ_INTERNAL extern int fxq_isa_cap;
+
+/* ---- pool.c ---- */
+
+/* A channels-last uint8 input (batch, height, width, channels), dense, and its output's positions. */
+typedef struct {
+    int64_t batch, height, width, channels, out_h, out_w;
+} PoolShape;
+
+/* A pooling window: size, stride, padding (before each dimension) and dilation; at most FXQ_POOL_MAX_KERNEL rows. */
+#define FXQ_POOL_MAX_KERNEL 64
+typedef struct {
+    int64_t kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
+} PoolWindow;
+
+/* out (batch, out_h, out_w, channels), dense: each position the byte-wise max of its window's in-bounds taps. */
+FXQ_INTERNAL void fxq_max_pool_u8(const uint8_t *x, uint8_t *out, const PoolShape *shape, const PoolWindow *window);
 
 /* ---- histogram.c ---- */
 
