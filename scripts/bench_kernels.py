@@ -1,8 +1,10 @@
 """Micro-benchmark of the int8 kernels of every available backend against FP32, on the same shapes in one run.
 
 Times one int8 linear/conv call on an already-quantized input (int8 in, int8 out, weights prepacked) next to the
-FP32 ``F.linear``/``F.conv2d`` on the float input; quantizing the input is not included. Calls are interleaved round
-by round (``fxquant.report.latency.measure_latency``), so ratios hold on a noisy machine.
+FP32 ``F.linear``/``F.conv2d`` on the float input; quantizing the input is not included. Then ResNet's stem max pool
+on channels-last uint8: the onednn backend's pool (fxquant's C loop) against ``quantized::max_pool2d``, the op it
+used before and PT2E's lowering calls. Calls are interleaved round by round
+(``fxquant.report.latency.measure_latency``), so ratios hold on a noisy machine.
 
     python scripts/bench_kernels.py [--budget SECONDS] [--threads N]
 """
@@ -17,7 +19,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from fxquant import native
 from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.kernels.onednn.max_pool import channels_last_max_pool
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.native.isa import cpu_model, isa_summary
 from fxquant.qparams import affine_qparams, symmetric_qparams
@@ -42,6 +46,8 @@ WORKLOADS = (
     Workload("conv 64->64 3x3 @56x56, batch 1", (1, 64, 56, 56), (64, 64, 3, 3), CONV_3X3),
     Workload("conv 64->64 3x3 @56x56, batch 32", (32, 64, 56, 56), (64, 64, 3, 3), CONV_3X3),
 )
+POOL_SHAPES = ((1, 64, 112, 112), (32, 64, 112, 112))  # ResNet-18's stem pool input at batch 1 and 32
+STEM_POOL = {"kernel_size": 3, "stride": 2, "padding": 1}
 
 
 def _float_call(work: Workload, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> Callable[[], Any]:
@@ -78,6 +84,19 @@ def bench(work: Workload, backends: list[str], budget_s: float, threads: int | N
     return {name: s.median for name, s in stats.items()}
 
 
+def bench_pool(shape: tuple[int, ...], budget_s: float, threads: int | None) -> str:
+    """One markdown row: the pool by ``channels_last_max_pool`` and by the op, median [fastest-slowest] ms, ratio."""
+    q = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    q = q.contiguous(memory_format=torch.channels_last)
+    op_arguments = ([3, 3], [2, 2], [1, 1], [1, 1], False)
+    calls = {"fxquant": lambda: channels_last_max_pool(q, 2, STEM_POOL),
+             "op": lambda: torch.ops.quantized.max_pool2d(q, *op_arguments)}
+    assert torch.equal(calls["fxquant"](), calls["op"]())
+    stats = measure_latency(calls, time_budget_s=budget_s, threads=threads, max_runs=500)
+    cells = [f"{s.median:.3f} [{s.min:.3f}-{s.max:.3f}]" for s in stats.values()]
+    return f"| {'x'.join(map(str, shape))} | {' | '.join(cells)} | {stats['op'].median / stats['fxquant'].median:.2f} |"
+
+
 def render(rows: list[tuple[str, dict[str, float]]], backends: list[str]) -> str:
     """A markdown table: FP32 ms, then each backend's ms and its speed-up over FP32 (FP32 time / backend time)."""
     header = ["workload", "fp32 ms", *[f"{name} ms (x fp32)" for name in backends]]
@@ -100,6 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# int8 kernels vs FP32 — {cpu_model()}, {threads} threads, torch {torch.__version__}, ISA {isa_summary()}")
     print("(x fp32 > 1 means faster than FP32; median of interleaved runs; input already quantized)\n")
     print(render(rows, backends))
+    loop = "fxquant's C loop" if native.available() else "no C loop here: the op"
+    print(f"\nmax pool 3x3, stride 2, padding 1, channels-last uint8 ({loop}; ms, median [fastest-slowest])\n")
+    print("| input | fxquant ms | quantized::max_pool2d ms | op / fxquant |\n|---|---|---|---|")
+    for shape in POOL_SHAPES:
+        print(bench_pool(shape, args.budget, args.threads))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ A recording is replayed only while it still describes what the steps do; otherwi
 * no hooks on the layers, no global hooks, no tracing;
 * each step executed exactly one recorded call, which read the step's input where it was and wrote the step's
   result (or, fused with an add, its accumulator) with nothing after it, or (a view) made none and returned its
-  input's memory for the run alone to read. A copy to another layout, a clamp, a torch op or a copied accumulator leave that input layout to
-  the steps' earlier grouping: runs of layers alone, the other steps one by one.
+  input's memory for the run alone to read. A copy to another layout, a clamp, a torch op or a copied accumulator
+  leave that input layout to the steps' earlier grouping: runs of layers alone, the other steps one by one.
 
 The buffer is at most ``ARENA_LIMIT`` bytes (at large batches the per-layer costs are noise, and holding the
 memory between calls would cost more than the replay gains).
