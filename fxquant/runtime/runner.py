@@ -1,13 +1,13 @@
 """A converted model's forward without the per-node costs of the code torch.fx generates.
 
 The generated ``forward`` reaches every layer through nested ``getattr`` calls on modules (``nn.Module.__getattr__``)
-and ``nn.Module.__call__``, costs of the same order as an INT8 kernel at batch 1. :class:`GraphRunner` walks the
-same graph from a list made once: each node's callable and argument slots resolved (one :class:`~fxquant.runtime.
-step.Step` per node), each value dropped after its last reader (as the generated code does), and layers called
-through ``forward`` directly; consecutive onednn layers are one step, replayed as recorded primitive calls
-(:mod:`fxquant.runtime.replay`); SDPA calls take fxquant's attention loops where the model runs INT8 layers on a
-kernel backend (:mod:`fxquant.runtime.attention`). What each gains is measured in docs/backends.md ("The graph
-walk") and docs/benchmarks.md ("Attention over every key").
+and ``nn.Module.__call__``, costs of the same order as an INT8 kernel at batch 1. :class:`GraphRunner` walks the same
+graph from a list made once: each node's callable and argument slots resolved (one
+:class:`~fxquant.runtime.step.Step` per node), each value dropped after its last reader (as the generated code does),
+and layers called through ``forward`` directly; consecutive onednn layers, with the one-call int8 steps and views
+between them, are one step, replayed as recorded C calls (:mod:`fxquant.runtime.replay`); SDPA calls take fxquant's
+attention loops where the model runs INT8 layers on a kernel backend (:mod:`fxquant.runtime.attention`). What each
+gains is measured in docs/backends.md ("The graph walk") and docs/benchmarks.md ("Attention over every key").
 
 It behaves as the generated code does, or steps aside:
 
