@@ -175,6 +175,30 @@ def test_hooks_tracing_and_big_buffers_take_the_layer_by_layer_path(monkeypatch:
     assert any(r is None for run in _runs(qmodel) for r in run.recordings.values())
 
 
+def _pooled(run: segments.Run) -> int:
+    return sum(block.numel() for recording in run.recordings.values() if recording is not None
+               for block, _ in recording.pool)
+
+
+def test_buffers_kept_between_calls_stay_within_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    qmodel = _converted(_Net(), (1, 3, 16, 16))
+    x = torch.randn(1, 3, 16, 16)
+    for _ in range(3):
+        assert _same(qmodel(x), _generated(qmodel, x))
+    runs = _runs(qmodel)
+    assert all(run.kept == _pooled(run) > 0 for run in runs)  # one buffer each, kept
+    qmodel.get_submodule("dw").relower(qmodel.get_submodule("dw").backend)  # re-recorded: the old buffer is let go
+    for _ in range(2):
+        assert _same(qmodel(x), _generated(qmodel, x))
+    assert all(run.kept == _pooled(run) > 0 for run in runs)
+    monkeypatch.setattr(segments, "KEPT_LIMIT", 0)
+    y = torch.randn(2, 3, 16, 16)  # a new layout: its buffer is made for each call and freed after it
+    for _ in range(3):
+        assert _same(qmodel(y), _generated(qmodel, y))
+    assert all(run.kept == _pooled(run) for run in runs)
+    assert all(not r.pool for run in runs for key, r in run.recordings.items() if r is not None and key[1][0][0] == 2)
+
+
 def test_values_alive_at_once_never_share_memory() -> None:
     """``_pack`` against a brute-force check of every pair of buffers (a mutation sharing all slots fails it)."""
     generator = torch.Generator().manual_seed(0)

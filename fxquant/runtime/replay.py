@@ -23,12 +23,15 @@ A recording is replayed only while it still describes what the steps do; otherwi
   input's memory for the run alone to read. A copy to another layout, a clamp, a torch op or a copied accumulator
   leave that input layout to the steps' earlier grouping: runs of layers alone, the other steps one by one.
 
-The buffer is at most ``ARENA_LIMIT`` bytes (at large batches the per-layer costs are noise, and holding the
-memory between calls would cost more than the replay gains).
+One recording's buffer is at most ``ARENA_LIMIT`` bytes: large batches need it most, since a fresh tensor above
+glibc's 32 MB mmap threshold is new pages, faulted in and zeroed, on every call (MobileNetV2's 38.5 MB expansion at
+batch 32), but no layout should hold gigabytes. The buffers one run keeps between calls, for all its layouts and
+concurrent callers, are at most ``KEPT_LIMIT`` bytes; past it a buffer is made for its call and freed after it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -40,7 +43,8 @@ from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.nn.quantized import Quantize, QuantizedPool, _QuantizedWeighted
 from fxquant.runtime.step import Step, execute, hooked, module_at, reads
 
-ARENA_LIMIT = 64 << 20
+ARENA_LIMIT = 256 << 20
+KEPT_LIMIT = 1 << 30
 RECORDINGS_PER_RUN = 16  # input layouts x thread counts kept per run (one each, typically)
 _ALIGN = 64
 _VIEW_METHODS = frozenset({"flatten", "view", "reshape"})
@@ -117,6 +121,8 @@ class Run:
         self.inputs = tuple(inputs)
         self.recordings: dict[tuple[Any, ...], _Recording | None] = {}
         self.narrow: list[Step] | None = None  # the steps as grouped without the extras, made when first needed
+        self.kept = 0  # bytes in the recordings' pools
+        self.lock = threading.Lock()  # over the pools and ``kept``
 
     def __call__(self, env: list[Any], gm: nn.Module, plain: bool) -> None:
         modules = [module_at(gm, step.target) for step in self.steps if step.op == "call_module"]
@@ -128,11 +134,15 @@ class Run:
             _walk(self.steps, env, gm, plain)  # too many layouts: the rest run as before
             return
         if key not in self.recordings or not _current(self.recordings[key], modules):
+            old = self.recordings.get(key)
             self.recordings[key] = self._record(env, gm, modules)
+            if old is not None:
+                with self.lock:
+                    self.kept -= sum(block.numel() for block, _ in old.pool)
             return
         recording = self.recordings[key]
         if recording is not None:
-            _replay(recording, env)
+            self._replay(recording, env)
         elif self.extras:  # some step did more than one recorded call: runs of the layers alone may still replay
             _walk(self._narrowed(gm), env, gm, plain)
         else:
@@ -203,6 +213,42 @@ class Run:
         return _Recording(list(modules), _generations(modules), self.inputs, fresh, tuple(arena.items()), arena_bytes,
                           len(self.inputs) + len(made), tuple(calls), outputs, [])
 
+    def _replay(self, recording: _Recording, env: list[Any]) -> None:
+        """The recorded calls on this call's inputs, fresh output tensors and a kept buffer not in use."""
+        block, addresses = self._take(recording)
+        try:
+            tensors: list[Any] = [None] * recording.buffers
+            pointers = list(addresses)
+            for buffer, slot in enumerate(recording.inputs):
+                tensors[buffer] = env[slot]
+                pointers[buffer] = env[slot].data_ptr()
+            for buffer, shape, stride, dtype in recording.fresh:
+                tensors[buffer] = torch.empty_strided(shape, stride, dtype=dtype)
+                pointers[buffer] = tensors[buffer].data_ptr()
+            for run, source, destination in recording.calls:
+                run(pointers[source], pointers[destination])
+        finally:
+            self._give_back(recording, block, addresses)
+        for slot, buffer in recording.outputs:
+            env[slot] = tensors[buffer]
+
+    def _take(self, recording: _Recording) -> tuple[torch.Tensor, list[int]]:
+        """A kept buffer of ``recording`` not in use, or a new one."""
+        with self.lock:
+            if recording.pool:
+                block, addresses = recording.pool.pop()
+                self.kept -= block.numel()
+                return block, addresses
+        return _block(recording)
+
+    def _give_back(self, recording: _Recording, block: torch.Tensor, addresses: list[int]) -> None:
+        """Keep ``block`` for a later call (another thread may have used its own meanwhile: both are kept) while the
+        run's kept buffers stay within ``KEPT_LIMIT``; otherwise it is freed."""
+        with self.lock:
+            if self.kept + block.numel() <= KEPT_LIMIT:
+                recording.pool.append((block, addresses))
+                self.kept += block.numel()
+
     def _buffers(self, buffer_of: dict[int, int], made: dict[int, tuple[int, Any]]) -> dict[int, _Buffer]:
         """Lifetimes of the buffers the run makes: from the step making one to the last step reading any value in
         it (a sum writes a new value into its accumulator's buffer), or escaping if a value in it is read later."""
@@ -247,27 +293,6 @@ def _pack(buffers: dict[int, _Buffer]) -> tuple[dict[int, int], int]:
         slot[2] = buffer.last
         offsets[b] = slot[0]
     return offsets, end
-
-
-def _replay(recording: _Recording, env: list[Any]) -> None:
-    """The recorded calls on this call's inputs, fresh output tensors and a kept buffer not in use."""
-    pool = recording.pool
-    block, addresses = pool.pop() if pool else _block(recording)
-    try:
-        tensors: list[Any] = [None] * recording.buffers
-        pointers = list(addresses)
-        for buffer, slot in enumerate(recording.inputs):
-            tensors[buffer] = env[slot]
-            pointers[buffer] = env[slot].data_ptr()
-        for buffer, shape, stride, dtype in recording.fresh:
-            tensors[buffer] = torch.empty_strided(shape, stride, dtype=dtype)
-            pointers[buffer] = tensors[buffer].data_ptr()
-        for run, source, destination in recording.calls:
-            run(pointers[source], pointers[destination])
-    finally:
-        pool.append((block, addresses))  # another thread may have used its own meanwhile: both are kept
-    for slot, buffer in recording.outputs:
-        env[slot] = tensors[buffer]
 
 
 def _block(recording: _Recording) -> tuple[torch.Tensor, list[int]]:
