@@ -4,6 +4,8 @@ holds."""
 
 from __future__ import annotations
 
+import copy
+import gc
 import threading
 from typing import Any
 
@@ -17,6 +19,7 @@ from fxquant.kernels.registry import available_backends
 from fxquant.models import create_model, example_inputs
 from fxquant.qparams import QParams
 from fxquant.runtime import replay as segments
+from fxquant.runtime.runner import install
 
 pytestmark = pytest.mark.skipif("onednn" not in available_backends() or not onednn_direct.available(),
                                 reason="needs the onednn backend on fxquant's own oneDNN primitives")
@@ -224,3 +227,19 @@ def test_layouts_past_the_limit_run_layer_by_layer(monkeypatch: pytest.MonkeyPat
         x = torch.randn(shape)
         assert _same(qmodel(x), _generated(qmodel, x)), shape
     assert all(len(run.recordings) == 1 for run in _runs(qmodel))  # the first layout only
+
+
+def test_a_deep_copy_records_its_own_buffers() -> None:
+    qmodel = _converted(_Net(), (1, 3, 16, 16))
+    x = torch.randn(1, 3, 16, 16)
+    qmodel(x), qmodel(x)  # recorded, replayed: the runs hold buffers at this model's addresses
+    (run, *_) = _runs(qmodel)
+    twin = copy.deepcopy(run)
+    assert not twin.recordings and twin.kept == 0 and twin.lock is not run.lock  # raw addresses are not copied
+    copied = install(copy.deepcopy(qmodel))  # the copy runs the generated code until installed (architecture.md)
+    del qmodel, run
+    gc.collect()  # the original's buffers are gone
+    expected = _generated(copied, x)
+    for _ in range(3):
+        assert _same(copied(x), expected)
+    assert all(len(r.recordings) == 1 and None not in r.recordings.values() for r in _runs(copied))

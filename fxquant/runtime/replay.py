@@ -124,6 +124,17 @@ class Run:
         self.kept = 0  # bytes in the recordings' pools
         self.lock = threading.Lock()  # over the pools and ``kept``
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy`` of the model, pickling) records anew: a recording holds raw addresses of this
+        run's buffers, which a copy of them would not be at."""
+        state = dict(self.__dict__, recordings={}, narrow=None, kept=0)
+        del state["lock"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
+
     def __call__(self, env: list[Any], gm: nn.Module, plain: bool) -> None:
         modules = [module_at(gm, step.target) for step in self.steps if step.op == "call_module"]
         if not plain or any(map(hooked, modules)):
