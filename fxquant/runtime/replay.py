@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from fxquant import native
 from fxquant.kernels import recording
 from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.nn.quantized import Quantize, QuantizedPool, _QuantizedWeighted
@@ -59,10 +60,10 @@ def replayable(module: nn.Module) -> bool:
 
 def _records_its_call(module: nn.Module) -> bool:
     """Whether ``module`` is another int8 step whose work is one C call it records: the quantize into the onednn
-    backend's activations, a global average pool, a max pool (inputs their loops do not take leave the run to the
-    earlier grouping)."""
+    backend's activations, a global average pool, a max pool, where fxquant's C loops are on (inputs their loops do
+    not take leave the run to the earlier grouping)."""
     if not (isinstance(module, (Quantize, QuantizedPool)) and module.backend.name == "onednn"
-            and onednn_direct.available()):
+            and onednn_direct.available() and native.available()):
         return False
     return isinstance(module, Quantize) or module.kind in ("adaptive_avg", "max")
 
