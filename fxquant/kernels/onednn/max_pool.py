@@ -20,9 +20,10 @@ from fxquant.kernels import recording
 _LOOP_ROWS = 64  # FXQ_POOL_MAX_KERNEL (fxquant/native/csrc/native.h): window rows the C loop holds
 Arguments = tuple[list[int], list[int], list[int], list[int], bool]  # kernel, stride, padding, dilation, ceil_mode
 
+
 def channels_last_max_pool(a: torch.Tensor, dim: int, kwargs: dict[str, Any]) -> torch.Tensor | None:
-    """``F.max_poolNd(a, **kwargs)`` by ``quantized::max_pool2d`` on channels-last uint8, or None where it does not
-    apply (``dim`` 3, ``a`` not uint8, no such op)."""
+    """``F.max_poolNd(a, **kwargs)`` on channels-last uint8 by the C loop or else ``quantized::max_pool2d``, or None
+    where neither applies (``dim`` 3, ``a`` not uint8, no loop and no such op)."""
     if dim == 3 or a.dtype != torch.uint8:
         return None
     x = a.unsqueeze(-2) if dim == 1 else a

@@ -121,8 +121,9 @@ static PyObject *max_pool_u8(PyObject *self, PyObject *args) {
     /* every output's window must start inside the padded input and hold an in-bounds tap (torch's own rule:
      * padding at most half the window), of at most FXQ_POOL_MAX_KERNEL rows */
     if (s.batch < 0 || s.height < 1 || s.width < 1 || s.channels < 1 || s.out_h < 1 || s.out_w < 1 ||
-        w.kernel_h < 1 || w.kernel_h > FXQ_POOL_MAX_KERNEL || w.kernel_w < 1 || w.stride_h < 1 || w.stride_w < 1 || w.dilation_h < 1 ||
-        w.dilation_w < 1 || w.pad_h < 0 || w.pad_w < 0 || 2 * w.pad_h > w.kernel_h || 2 * w.pad_w > w.kernel_w ||
+        w.kernel_h < 1 || w.kernel_h > FXQ_POOL_MAX_KERNEL || w.kernel_w < 1 || w.stride_h < 1 || w.stride_w < 1 ||
+        w.dilation_h < 1 || w.dilation_w < 1 || w.pad_h < 0 || w.pad_w < 0 || 2 * w.pad_h > w.kernel_h ||
+        2 * w.pad_w > w.kernel_w ||
         (s.out_h - 1) * w.stride_h - w.pad_h >= s.height || (s.out_w - 1) * w.stride_w - w.pad_w >= s.width) {
         PyErr_SetString(PyExc_ValueError, "max_pool_u8: bad shape or window");
         return NULL;
