@@ -48,6 +48,7 @@ ARENA_LIMIT = 256 << 20
 KEPT_LIMIT = 1 << 30
 RECORDINGS_PER_RUN = 16  # input layouts x thread counts kept per run (one each, typically)
 _ALIGN = 64
+_UNSEEN: Any = object()  # a layout not recorded yet
 _VIEW_METHODS = frozenset({"flatten", "view", "reshape"})
 _VIEW_FUNCTIONS = (torch.flatten, torch.reshape)
 
@@ -142,18 +143,15 @@ class Run:
             _walk(self.steps, env, gm, plain)
             return
         key = (torch.get_num_threads(), *(_layout(env[slot]) for slot in self.inputs))
-        if key not in self.recordings and len(self.recordings) >= RECORDINGS_PER_RUN:
+        recording = self.recordings.get(key, _UNSEEN)  # one lookup: hashing the layouts is most of a check's cost
+        if recording is _UNSEEN and len(self.recordings) >= RECORDINGS_PER_RUN:
             _walk(self.steps, env, gm, plain)  # too many layouts: the rest run as before
-            return
-        if key not in self.recordings or not _current(self.recordings[key], modules):
-            old = self.recordings.get(key)
+        elif recording is _UNSEEN or not _current(recording, modules):
             self.recordings[key] = self._record(env, gm, modules)
-            if old is not None:
+            if isinstance(recording, _Recording):  # its kept buffers are let go with it
                 with self.lock:
-                    self.kept -= sum(block.numel() for block, _ in old.pool)
-            return
-        recording = self.recordings[key]
-        if recording is not None:
+                    self.kept -= sum(block.numel() for block, _ in recording.pool)
+        elif recording is not None:
             self._replay(recording, env)
         elif self.extras:  # some step did more than one recorded call: runs of the layers alone may still replay
             _walk(self._narrowed(gm), env, gm, plain)
