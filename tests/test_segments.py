@@ -91,16 +91,20 @@ def test_replayed_runs_compute_the_generated_codes_bits_call_after_call() -> Non
         expected = [[kind for kind in run if kind.startswith("QuantizedConv")][-2:] for run in expected]
     assert [[type(qmodel.get_submodule(".".join(step.target))).__name__ for step in run.steps] for run in runs] == (
         expected)
-    first = None
+    first, made = None, {}
     for seed, shape in enumerate([(2, 3, 16, 16), (2, 3, 16, 16), (1, 3, 20, 12), (2, 3, 16, 16), (1, 3, 20, 12)]):
         x = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
         out = qmodel(x)
         assert _same(out, _generated(qmodel, x)), shape
         if first is None:
             first, kept = out, tuple(t.clone() for t in out)
+        made.setdefault(shape, [id(r) for run in runs for r in run.recordings.values()])
     assert _same(first, kept)  # results handed out earlier are never reused as buffers
     recordings = [r for run in runs for r in run.recordings.values()]
     assert len(recordings) == 2 * len(runs) and all(r is not None for r in recordings)  # two input shapes
+    # later calls replayed the recordings made on each layout's first call (no module changed: nothing re-recorded)
+    assert set(made[(2, 3, 16, 16)]) <= set(map(id, recordings)) and set(made[(1, 3, 20, 12)]) == set(
+        map(id, recordings))
 
 
 def test_mobilenetv2_replays_its_convs_exactly() -> None:
@@ -117,6 +121,21 @@ def test_mobilenetv2_replays_its_convs_exactly() -> None:
         with torch.inference_mode():
             assert torch.equal(qmodel(x), _generated(qmodel, x))
     assert all(recording is not None for recording in run.recordings.values())
+
+
+def test_unet_replays_every_run_around_its_transposed_convs() -> None:
+    """A transposed conv runs torch's float op on onednn: it stays out of runs, so the encoder's convs and pools
+    replay as one run instead of all of them falling back."""
+    prepared = fxquant.prepare(create_model("unet"), example_inputs("unet", 1))
+    fxquant.calibrate(prepared, [example_inputs("unet", 1, seed=s) for s in range(2)], progress=False)
+    qmodel = fxquant.convert(prepared, backend="onednn")
+    (x,) = example_inputs("unet", 1, seed=5)
+    for _ in range(3):
+        assert torch.equal(qmodel(x), _generated(qmodel, x))
+    runs = _runs(qmodel)
+    assert runs and all(type(qmodel.get_submodule(".".join(step.target))).__name__ != "QuantizedConvTranspose2d"
+                        for run in runs for step in run.steps if step.op == "call_module")
+    assert all(list(run.recordings.values()) and None not in run.recordings.values() for run in runs)
 
 
 @pytest.mark.skipif(not native.available(), reason="without the C loops no quantize joins a run")

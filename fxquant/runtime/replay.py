@@ -41,7 +41,7 @@ from torch import nn
 from fxquant import native
 from fxquant.kernels import recording
 from fxquant.kernels.onednn import direct as onednn_direct
-from fxquant.nn.quantized import Quantize, QuantizedPool, _QuantizedWeighted
+from fxquant.nn.quantized import Quantize, QuantizedConvNd, QuantizedLinear, QuantizedPool
 from fxquant.runtime.step import Step, execute, hooked, module_at, reads
 
 ARENA_LIMIT = 256 << 20
@@ -55,8 +55,9 @@ _VIEW_FUNCTIONS = (torch.flatten, torch.reshape)
 
 def replayable(module: nn.Module) -> bool:
     """Whether ``module`` is a layer a run may hold: a Linear/Conv on the onednn backend with fxquant's own
-    primitives."""
-    return isinstance(module, _QuantizedWeighted) and module.backend.name == "onednn" and onednn_direct.available()
+    primitives (a transposed conv runs torch's float op there: it would only make its run fall back)."""
+    return (isinstance(module, (QuantizedLinear, QuantizedConvNd)) and module.backend.name == "onednn"
+            and onednn_direct.available())
 
 
 def _records_its_call(module: nn.Module) -> bool:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 from torch import fx, nn
-from torch.fx.node import map_arg
+from torch.fx.node import map_aggregate, map_arg
 
 
 class Step(NamedTuple):
@@ -60,20 +60,8 @@ def reads(step: Step) -> tuple[int, ...]:
     if step.inputs is not None:
         return step.inputs
     found: dict[int, None] = {}
-
-    def note(value: Any) -> None:
-        if isinstance(value, Slot):
-            found[value.index] = None
-        elif isinstance(value, (tuple, list)):
-            for item in value:
-                note(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                note(item)
-        elif isinstance(value, slice):
-            note((value.start, value.stop, value.step))
-
-    note((step.args, step.kwargs))
+    map_aggregate((step.args, step.kwargs), lambda value: found.setdefault(value.index) if isinstance(value, Slot)
+                  else None)
     return tuple(found)
 
 
