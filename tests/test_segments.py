@@ -183,10 +183,10 @@ def test_a_changed_layer_is_run_as_it_now_is() -> None:
     scale, zero_point = layer.out_qp.scalar()
     layer.out_qp = QParams(torch.tensor(scale * 1.5), torch.tensor(zero_point), 0, 255)  # new qparams in place
     assert _same(qmodel(x), _generated(qmodel, x)) and _same(qmodel(x), _generated(qmodel, x))
-    layer.out_qp = QParams(torch.tensor(scale), torch.tensor(zero_point), 0, 127)  # a clamp after the primitive
+    layer.out_qp = QParams(torch.tensor(scale), torch.tensor(zero_point), 0, 127)  # 7-bit: a clip in the primitive
     assert _same(qmodel(x), _generated(qmodel, x)) and _same(qmodel(x), _generated(qmodel, x))
     run = next(run for run in _runs(qmodel) if any(step[2] == ("dw",) for step in run.steps))
-    assert None in run.recordings.values()  # that layout is left to the layer-by-layer path
+    assert None not in run.recordings.values()  # no clamp after the primitive: that layout still replays
     replacement = _converted(_Net(), (1, 3, 16, 16)).get_submodule("pw")
     qmodel.pw = replacement  # another layer object
     assert _same(qmodel(x), _generated(qmodel, x)) and _same(qmodel(x), _generated(qmodel, x))

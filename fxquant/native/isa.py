@@ -80,6 +80,14 @@ def has_vnni() -> bool:
     return _allows("vnni")
 
 
+def cpu_sums_int8_exactly() -> bool:
+    """Whether the CPU itself, whatever ``FXQUANT_ISA`` says, has a u8*s8 dot product that sums in 32 bits (VNNI,
+    AVX-VNNI or AMX). Other engines pick their kernels by it: without it, ONNX Runtime's int8 GEMMs add pairs of
+    products in 16 bits and saturate on activations that use all 8 bits (docs/export.md)."""
+    flags = _cpu_flags()
+    return any(needed <= flags for level in ("vnni", "amx") for needed in _LEVEL_FLAGS[level])
+
+
 def has_amx_int8() -> bool:
     """AMX-INT8 tiles (the OS must also grant the tile state; the C loop asks and falls back when refused)."""
     return _allows("amx")

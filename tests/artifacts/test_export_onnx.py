@@ -25,9 +25,10 @@ from torch import fx, nn
 import fxquant
 from fxquant.kernels.registry import available_backends
 from fxquant.models import create_model, example_inputs
-from fxquant.native.isa import has_vnni
+from fxquant.native.isa import cpu_sums_int8_exactly, has_vnni
 from fxquant.nn.quantized import DeQuantize, _QuantizedWeighted
 from fxquant.state import graph_of
+from fxquant.testing import relowered
 
 pytest.importorskip("onnx", reason="the optional 'onnx' extra (onnx) is not installed")
 pytest.importorskip("onnxscript", reason="the optional 'onnx' extra (onnxscript) is not installed")
@@ -184,7 +185,9 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Exported
         case = CASES[name]
         torch.manual_seed(0)
         prepared = _calibrated(case.factory().eval(), case.shape)
-        qmodel = fxquant.convert(prepared, backend=case.backend)
+        # ORT without VNNI saturates on 8-bit activations (test_export_onnx_saturation.py): onednn's are 7-bit there
+        backend = "onednn" if case.backend == "reference" and not cpu_sums_int8_exactly() else case.backend
+        qmodel = fxquant.convert(prepared, backend=backend)
         path = fxquant.export(qmodel, root / f"{name}.onnx")
         return Exported(path, prepared, qmodel, _batches(case.shape, 16, 1, seed=100)[0])
 
@@ -193,8 +196,8 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Exported
 
 @pytest.mark.parametrize("name", _case_params())
 def test_single_op_within_one_output_step_of_the_reference(name: str, single: Callable[[str], Exported]) -> None:
-    path, prepared, qmodel, fresh = single(name)
-    expected = fxquant.convert(prepared, backend=CASES[name].against)(*fresh)
+    path, _, qmodel, fresh = single(name)
+    expected = relowered(qmodel, CASES[name].against)(*fresh)  # its arithmetic on the file's qparams
     got = _run(_session(path), fresh)
     assert got.shape == expected.shape
     steps = float((got - expected).abs().max()) / _output_step(qmodel)

@@ -132,6 +132,40 @@ def test_direct_conv_add_gives_the_torch_ops_integers(monkeypatch: pytest.Monkey
     assert not torch.equal(mine, accum)
 
 
+@pytest.mark.parametrize("kind", ["linear", "linear+relu", "conv+relu", "conv_add"])
+def test_a_7_bit_output_is_clipped_in_the_primitive_to_the_ops_clamped_bytes(monkeypatch: pytest.MonkeyPatch,
+                                                                              kind: str) -> None:
+    """Where activations are 7-bit (oneDNN without VNNI), fxquant's primitive clips with a post-op while the torch op
+    is clamped after it: the same bytes, and the bound call is the primitive's own (nothing after it)."""
+    onednn, spec = get_backend("onednn"), ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
+    narrow = QParams(torch.tensor(0.02), torch.tensor(60), 0, 127)  # many results above 127 and below 0
+    if kind.startswith("linear"):
+        layer = make_layer((6, 33), (17, 33), qrange=(0, 255), per_channel=True, bias=True, seed=5)
+        direct, ops = _both_paths(monkeypatch, lambda: onednn.prepack_linear(layer.q_w, layer.w_qp, layer.bias))
+        wide_qp = QParams(narrow.scale, narrow.zero_point, 0, 255)
+        mine, theirs, wide = (onednn.linear(layer.q_x, p, layer.in_qp, qp, relu=kind.endswith("relu"))
+                              for p, qp in ((direct, narrow), (ops, narrow), (direct, wide_qp)))
+    else:
+        layer = conv_layer(ConvCase(spec, 2, 8, 8, (3, 3), (6, 6), True, True, False), (0, 255), 9)
+        direct, ops = _both_paths(monkeypatch, lambda: onednn.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec,
+                                                                           in_qp=layer.in_qp))
+        accum = torch.randint(0, 128, (2, 8, 6, 6), generator=torch.Generator().manual_seed(2), dtype=torch.uint8)
+        accum_qp = QParams(torch.tensor(0.01), torch.tensor(30), 0, 127)
+
+        def run(packed: PackedWeight, out_qp: QParams) -> torch.Tensor:
+            if kind == "conv+relu":
+                return onednn.conv(layer.q_x, packed, layer.in_qp, out_qp, relu=True)
+            qps = ConvAddQParams(layer.in_qp, out_qp, accum_qp, out_qp)
+            return onednn.conv_add(layer.q_x, packed, accum.contiguous(memory_format=torch.channels_last).clone(
+                memory_format=torch.channels_last), qps, relu=False)
+
+        mine, theirs = run(direct, narrow), run(ops, narrow)
+        wide = run(direct, QParams(narrow.scale, narrow.zero_point, 0, 255))
+    assert int(wide.max()) > 127 and int(mine.max()) == 127, "the clip must have had something to do"
+    assert torch.equal(mine, theirs) and torch.equal(mine, wide.clamp(0, 127))
+    assert all(hasattr(call, "primitive") for call in direct.payload.calls.values())
+
+
 def _conv_setup() -> tuple[ConvSpec, object, QParams]:
     spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
     layer = conv_layer(ConvCase(spec, 2, 8, 16, (3, 3), (20, 20), True, True, False), (0, 255), 4)
@@ -272,4 +306,4 @@ def test_malformed_primitive_arguments_raise_instead_of_reading_past_a_buffer(
     weight = torch.ones(4, 8, dtype=torch.int8)
     with pytest.raises(ValueError, match=message):
         onednn_direct._dnnl.Primitive(weight.data_ptr(), [4, 8], [2, 8], strides, [2, 4], [4, 1], "u8", scales, bias,
-                                      0.1, 0, 0.1, 0, None, None, None)
+                                      0.1, 0, 0.1, 0, None, (), None)

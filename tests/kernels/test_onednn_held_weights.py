@@ -102,7 +102,7 @@ def test_a_layout_no_primitive_holds_is_reordered_from_a_plain_copy_made_for_it(
     assert onednn_direct._dnnl is not None
     with pytest.raises(LookupError, match="no primitive in share"):
         onednn_direct._dnnl.Primitive(None, [24, 40], [3, 40], [40, 1], [3, 24], [24, 1], "f32",
-                                      scale.numpy().tobytes(), None, 0.1, 0, 1.0, 0, None, None, None, [])
+                                      scale.numpy().tobytes(), None, 0.1, 0, 1.0, 0, None, (), None, [])
 
 
 def test_loading_a_state_dict_repacks_the_held_weight() -> None:

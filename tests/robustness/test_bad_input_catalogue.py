@@ -29,7 +29,7 @@ from fxquant.errors import (
 )
 from fxquant.kernels.registry import available_backends
 from fxquant.qparams import affine_qparams
-from fxquant.testing import assert_sqnr
+from fxquant.testing import assert_sqnr, seven_bit_margin_db
 
 
 class _Net(nn.Module):
@@ -88,7 +88,8 @@ def test_untraceable_forward_that_reads_a_layers_weight_gets_the_float_weight() 
     assert torch.equal(prepared(data[0]), model(data[0]))
     fxquant.calibrate(prepared, data, progress=False)
     qmodel = fxquant.convert(prepared)
-    assert_sqnr(model(data[0]), qmodel(data[0]), 43.0)  # measured 46.8 dB
+    # measured 46.8 dB; 40.6 dB with the 7-bit activations of onednn without VNNI
+    assert_sqnr(model(data[0]), qmodel(data[0]), 43.0 - seven_bit_margin_db(fxquant.QuantConfig().backend))
 
 
 def test_model_without_linear_or_conv_is_a_clear_error() -> None:

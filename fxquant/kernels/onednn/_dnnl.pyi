@@ -8,7 +8,7 @@ class Primitive:
                  weight_scales: bytes, bias: bytes | None, src_scale: float, src_zero_point: int, dst_scale: float,
                  dst_zero_point: int,
                  conv: tuple[Sequence[int], Sequence[int], Sequence[int], Sequence[int]] | None,
-                 eltwise: tuple[int, float, float] | None, sum: tuple[float, int] | None,
+                 eltwise: tuple[tuple[int, float, float], ...], sum: tuple[float, int] | None,
                  share: Sequence[Primitive] = ()) -> None: ...
     @property
     def weights_address(self) -> int: ...

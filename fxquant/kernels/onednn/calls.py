@@ -19,9 +19,9 @@ from fxquant.kernels.onednn.direct import Output
 from fxquant.kernels.onednn.post_ops import (
     POST_OPS,
     clamp_bounds,
-    clamped,
     conv_post_op,
     finish,
+    output_clip,
     relu_post_op,
     uint8_output,
 )
@@ -53,9 +53,10 @@ def bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: O
     plain = direct_weight(w)  # a conv keeps its plain weight (only a Linear's primitives hold theirs alone)
     direct = isinstance(plain, torch.Tensor) and onednn_direct.conv(plain, w.scale, bias, spec, shape,
                                                                     out_shape(shape, w, spec.padding),
-                                                                    (x_scale, x_zp), output, post_op, w.shared)
+                                                                    (x_scale, x_zp), output, post_op, w.shared,
+                                                                    clip=output_clip(within))
     if direct:
-        call = clamped(direct, clamp_bounds(None, within))
+        call = direct
     else:
         attr, algorithm, clamp_after = conv_post_op(post_op, spec.dim)
         # The op makes its input channels-last itself (a no-op between two convs).
@@ -76,11 +77,15 @@ def bind_linear(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output:
     x_scale, x_zp, bias = operands(w, in_qp)
     weight = direct_weight(w)
     direct = weight is not None and onednn_direct.linear(weight, w.out_channels, w.scale, bias, shape,
-                                                         (x_scale, x_zp), output, post_op, w.shared)
+                                                         (x_scale, x_zp), output, post_op, w.shared,
+                                                         clip=output_clip(within))
     if direct:
-        return clamped(direct, clamp_bounds(None, within))
+        return direct
     attr, algorithm = POST_OPS[post_op]
-    args: tuple[Any, ...] = (x_scale, x_zp, w.op_weight(), w.scale, w.zero_point, bias, *output, attr, [], algorithm)
+    # A per-tensor weight scale goes as one element, not 0-d: on a CPU without VNNI, torch 2.13's op hands oneDNN's
+    # gemm matmul a scale it refuses for a 0-d tensor ("could not execute a primitive").
+    args: tuple[Any, ...] = (x_scale, x_zp, w.op_weight(), w.scale.reshape(-1), w.zero_point.reshape(-1), bias,
+                             *output, attr, [], algorithm)
     return finish(torch.ops.onednn.qlinear_pointwise, args, clamp_bounds(None, within))
 
 
@@ -100,9 +105,10 @@ def bind_conv_add(w: OnednnWeight, shape: tuple[int, ...], accum: torch.Tensor, 
     direct = isinstance(plain, torch.Tensor) and onednn_direct.conv(plain, w.scale, bias, spec, shape,
                                                                     tuple(accum.shape), (x_scale, x_zp),
                                                                     uint8_output(qps.out), relu_post_op(relu),
-                                                                    w.shared, accum_qp=(acc_scale, acc_zp))
+                                                                    w.shared, accum_qp=(acc_scale, acc_zp),
+                                                                    clip=output_clip(qps.out))
     if direct:
-        return clamped(direct, clamp_bounds(None, qps.out))
+        return direct
     head = (x_scale, x_zp, w.for_input(shape), w.scale, w.zero_point)
     tail: tuple[Any, ...] = (bias, list(spec.stride), list(spec.padding), list(spec.dilation), spec.groups,
                              out_scale, out_zp, torch.uint8, acc_scale, acc_zp, "sum", 1.0, relu_post_op(relu), [], "")

@@ -39,7 +39,9 @@ except ImportError:  # built without a C compiler
 LIBRARY_ENV = "FXQUANT_DNNL_LIBRARY"
 _ELTWISE = {"relu": (32, 0.0, 0.0), "silu": (44, 1.0, 0.0), "hardswish": (52, 1.0 / 6.0, 0.5),
             "gelu": (49, 0.0, 0.0), "gelu_tanh": (43, 0.0, 0.0)}  # dnnl_eltwise_* (oneDNN v3) and alpha, beta
+_CLIP = 46  # dnnl_eltwise_clip: alpha and beta are the bounds
 _MEMORY_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+Clip = tuple[float, float]  # (low, high) of a clip post-op, in the float domain before the output's quantization
 Output = tuple[float, int, torch.dtype]  # (scale, zero point, dtype) of a result; float32 results: (1.0, 0, float32)
 # The int8 weight a primitive is built from: the dense plain tensor, or, for a layer whose primitives hold its only
 # copy, a function making the plain tensor anew (see ``_primitive``)
@@ -100,14 +102,15 @@ def _uint8_input(a: torch.Tensor, memory_format: torch.memory_format) -> torch.T
     return a if a.is_contiguous(memory_format=memory_format) else a.contiguous(memory_format=memory_format)
 
 
-def _eltwise(post_op: str) -> tuple[int, float, float] | None:
-    return None if post_op == "none" else _ELTWISE[post_op]
+def _eltwise(post_op: str, clip: Clip | None) -> tuple[tuple[int, float, float], ...]:
+    named = () if post_op == "none" else (_ELTWISE[post_op],)
+    return named if clip is None else (*named, (_CLIP, *clip))
 
 
 def _primitive(weight: Weight, weight_dims: list[int], src_dims: list[int], src_strides: list[int],
                dst_dims: list[int], dst_strides: list[int], scales: torch.Tensor, bias: torch.Tensor | None,
                x_qp: tuple[float, int], output: Output, geometry: tuple[list[int], ...] | None, post_op: str,
-               accum_qp: tuple[float, int] | None, shared: list[Any]) -> Any:
+               clip: Clip | None, accum_qp: tuple[float, int] | None, shared: list[Any]) -> Any:
     """A ``_dnnl.Primitive``, or None where this oneDNN has no implementation for it (the caller then runs the
     torch op, whose newer oneDNN may have one). ``shared``: the layer's primitives that own their reordered weights
     (one per layout); a new one uses those of the layout oneDNN picks for its input shape and thread count, if
@@ -118,7 +121,7 @@ def _primitive(weight: Weight, weight_dims: list[int], src_dims: list[int], src_
     arguments = (weight_dims, src_dims, src_strides, dst_dims, dst_strides,
                  "f32" if output[2] == torch.float32 else "u8", scales.to(torch.float32).numpy().tobytes(),
                  None if bias is None else bias.to(torch.float32).numpy().tobytes(), *x_qp, *output[:2], geometry,
-                 _eltwise(post_op), accum_qp, shared)
+                 _eltwise(post_op, clip), accum_qp, shared)
     try:
         try:
             primitive = _dnnl.Primitive(None if callable(weight) else weight.data_ptr(), *arguments)
@@ -135,11 +138,12 @@ def _primitive(weight: Weight, weight_dims: list[int], src_dims: list[int], src_
 
 def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, spec: ConvSpec,
          shape: tuple[int, ...], out_shape: tuple[int, ...], x_qp: tuple[float, int], output: Output, post_op: str,
-         shared: list[Any], accum_qp: tuple[float, int] | None = None) -> Callable[..., torch.Tensor] | None:
+         shared: list[Any], accum_qp: tuple[float, int] | None = None,
+         clip: Clip | None = None) -> Callable[..., torch.Tensor] | None:
     """A call ``f(a)`` (or ``f(a, accum)`` with ``accum_qp``: the sum post-op) running this conv on channels-last
     uint8 inputs of ``shape``; ``weight``: plain int8 (O, I/groups, k...); ``output``: the result's (scale, zero
-    point, dtype); ``post_op``: a name in ``_ELTWISE`` or ``"none"``, applied to the float result; ``shared``: see
-    ``_primitive``. None where this oneDNN cannot run it."""
+    point, dtype); ``post_op``: a name in ``_ELTWISE`` or ``"none"``, applied to the float result; ``clip``: float
+    bounds the result is clipped to after it; ``shared``: see ``_primitive``. None where this oneDNN cannot run it."""
     memory_format = _MEMORY_FORMATS[len(shape)]
     out_strides = _strides(out_shape, memory_format)
     dims = list(weight.shape)
@@ -147,7 +151,7 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
         dims = [spec.groups, dims[0] // spec.groups, *dims[1:]]
     geometry = (list(spec.stride), [d - 1 for d in spec.dilation], list(spec.padding), list(spec.padding))
     primitive = _primitive(weight, dims, list(shape), _strides(shape, memory_format), list(out_shape), out_strides,
-                           scales, bias, x_qp, output, geometry, post_op, accum_qp, shared)
+                           scales, bias, x_qp, output, geometry, post_op, clip, accum_qp, shared)
     if primitive is None:
         return None
     run, empty, dtype = primitive.run, torch.empty_strided, output[2]
@@ -174,7 +178,7 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
 
 def linear(weight: Weight, out_features: int, scales: torch.Tensor, bias: torch.Tensor | None,
            shape: tuple[int, ...], x_qp: tuple[float, int], output: Output, post_op: str,
-           shared: list[Any]) -> Callable[[torch.Tensor], torch.Tensor] | None:
+           shared: list[Any], clip: Clip | None = None) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A call ``f(a)`` running this Linear on uint8 inputs of ``shape`` (..., in_features); ``weight``: plain int8
     (out_features, in_features), or a function making it (see ``_primitive``); other arguments and None as
     ``conv``."""
@@ -183,8 +187,8 @@ def linear(weight: Weight, out_features: int, scales: torch.Tensor, bias: torch.
     for size in rows:
         m *= size
     primitive = _primitive(weight, [out_features, in_features], [m, in_features], [in_features, 1],
-                           [m, out_features], [out_features, 1], scales, bias, x_qp, output, None, post_op, None,
-                           shared)
+                           [m, out_features], [out_features, 1], scales, bias, x_qp, output, None, post_op, clip,
+                           None, shared)
     if primitive is None:
         return None
     run, empty, dtype, out_shape = primitive.run, torch.empty, output[2], (*rows, out_features)

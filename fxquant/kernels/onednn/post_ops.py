@@ -3,6 +3,8 @@
 The ops take the *real* output scale and, with ``output_dtype=torch.uint8``, return requantized uint8; a ``"relu"``
 post-op clamps at the output zero point. oneDNN saturates to [0, 255], so a narrower declared range (7-bit
 activations) needs a clamp after the op, and so does a ReLU the op cannot fuse (conv3d takes no post-op).
+fxquant's own primitives clip to the narrower range with one more post-op instead (:func:`output_clip`): no pass
+over the output after the call, and a replayed run (:mod:`fxquant.runtime.replay`) can hold the layer.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 import torch
 
 from fxquant.kernels import recording
-from fxquant.kernels.onednn.direct import Output
+from fxquant.kernels.onednn.direct import Clip, Output
 from fxquant.kernels.onednn.weights import Call
 from fxquant.qparams import UINT8_RANGE, QParams
 
@@ -48,6 +50,16 @@ def clamp_bounds(low: int | None, within: QParams | None) -> Clamp | None:
     if within is not None and (within.qmin, within.qmax) != UINT8_RANGE:
         return (within.qmin if low is None else max(low, within.qmin)), within.qmax
     return None if low is None else (low, None)
+
+
+def output_clip(within: QParams | None) -> Clip | None:
+    """The float bounds of a clip post-op that makes a uint8 result lie in ``within``'s range where that is narrower
+    than [0, 255], or None. oneDNN applies post-ops before the output's scale and zero point, so the bounds are the
+    range's ends dequantized; the clip's ends requantize to them exactly (a float error far below half a step)."""
+    if within is None or (within.qmin, within.qmax) == UINT8_RANGE:
+        return None
+    scale, zero_point = within.scalar()
+    return (within.qmin - zero_point) * scale, (within.qmax - zero_point) * scale
 
 
 def clamped(call: Call, clamp: Clamp | None) -> Call:

@@ -109,7 +109,7 @@ static void free_memories(CallMemories *m) {
    weight_dims: plain int8 weight, row-major: (O, I) for a Linear, (O, I, k...) or (G, O/G, I/G, k...) for a conv;
    weight_scales / bias: float32 bytes (bias may be None); dst_type: "u8" or "f32" (no dst scale/zero point);
    conv: None for a Linear, else (strides, dilations (oneDNN's: 0 = dense), padding_l, padding_r);
-   eltwise: None or (algorithm, alpha, beta); sum: None or (scale, zero_point): dst += scale * (dst_before - zp);
+   eltwise: a tuple of (algorithm, alpha, beta), applied in order; sum: None or (scale, zero_point): dst += scale * (dst_before - zp);
    share: Primitives built from the same weight (other input shapes or thread counts): where oneDNN chose the layout
    of one of them, its reordered weights are used, not a copy. weight_ptr None: the weights must come from ``share``
    (the caller keeps no plain copy); LookupError where none of them has the chosen layout. */
@@ -120,9 +120,9 @@ static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwa
     Py_buffer weight_scales;
     float src_scale, dst_scale;
     int src_zp, dst_zp;
-    if (!PyArg_ParseTuple(args, "OOOOOOsy*OfifiOOO|O", &weight_address, &weight_dims_seq, &src_dims_seq,
+    if (!PyArg_ParseTuple(args, "OOOOOOsy*OfifiOO!O|O", &weight_address, &weight_dims_seq, &src_dims_seq,
                           &src_strides_seq, &dst_dims_seq, &dst_strides_seq, &dst_type, &weight_scales, &bias_obj,
-                          &src_scale, &src_zp, &dst_scale, &dst_zp, &conv, &eltwise, &sum, &share))
+                          &src_scale, &src_zp, &dst_scale, &dst_zp, &conv, &PyTuple_Type, &eltwise, &sum, &share))
         return NULL;
     if (engine == NULL) {
         PyBuffer_Release(&weight_scales);
@@ -207,10 +207,10 @@ static PyObject *Primitive_new(PyTypeObject *type, PyObject *args, PyObject *kwa
         if (!PyArg_ParseTuple(sum, "fi", &sum_scale, &sum_zp)) goto fail;
         CHECK(api.post_ops_append_sum(post_ops, sum_scale, sum_zp, dnnl_undef_type), "sum post-op");
     }
-    if (eltwise != Py_None) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(eltwise); i++) {
         int algorithm;
         float alpha, beta;
-        if (!PyArg_ParseTuple(eltwise, "iff", &algorithm, &alpha, &beta)) goto fail;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(eltwise, i), "iff", &algorithm, &alpha, &beta)) goto fail;
         CHECK(api.post_ops_append_eltwise(post_ops, algorithm, alpha, beta), "eltwise post-op");
     }
     CHECK(api.primitive_attr_set_post_ops(attr, post_ops), "set post-ops");
