@@ -13,7 +13,10 @@ Peak MACs per cycle per core:
   on cores with two 512-bit multiply pipes (two-FMA Xeons, Zen 5), one on Zen 4, which splits a 512-bit op over its
   256-bit pipes. So it is measured, like the clock: twelve independent ``VPDPBUSD zmm`` chains in a tiny C program,
   best of many short runs, instructions per second times 64 is the peak. Without a C compiler two per cycle are
-  assumed (the line says so).
+  assumed (the line says so);
+- without VNNI (AVX2, or AVX512 without VNNI), oneDNN's and fbgemm's int8 kernels take three instructions for 32
+  MACs (``VPMADDUBSW`` to 16-bit pair sums, ``VPMADDWD`` by ones to 32 bits, ``VPADDD``): measured the same way, six
+  independent chains of those three on ymm registers.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fxquant.native.isa import has_amx_int8, has_avx512, has_vnni
+from fxquant.native.isa import has_amx_int8, has_avx512, has_vnni, isa_level
 
 _CLOCK_C = r"""
 #include <stdio.h>
@@ -69,6 +72,36 @@ int main(void) {
                        "xmm11");
     clock_gettime(CLOCK_MONOTONIC, &b);
     double giga = 12.0 * n / ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec));
+    if (giga > best) best = giga;
+  }
+  printf("%.4f\n", best);
+  return 0;
+}
+"""
+
+
+_AVX2_C = r"""
+#include <stdio.h>
+#include <time.h>
+/* one u8*s8 step of an AVX2 int8 GEMM without VNNI: 32 products summed in pairs to 16 bits, pairs of those to 32
+   bits, added to the accumulator */
+#define STEP(t, acc) "vpmaddubsw %%ymm14, %%ymm15, %%ymm" #t "\n\tvpmaddwd %%ymm13, %%ymm" #t ", %%ymm" #t \
+                     "\n\tvpaddd %%ymm" #t ", %%ymm" #acc ", %%ymm" #acc "\n\t"
+int main(void) {
+  const long n = 250000L;  /* six independent chains: 1.5M steps a run */
+  double best = 0;
+  __asm__ volatile("vpcmpeqd %%ymm13, %%ymm13, %%ymm13\n\tvpsrlw $15, %%ymm13, %%ymm13\n\t"
+                   "vpcmpeqd %%ymm14, %%ymm14, %%ymm14\n\tvpcmpeqd %%ymm15, %%ymm15, %%ymm15" ::: "xmm13", "xmm14",
+                   "xmm15");
+  for (int r = 0; r < 300; r++) {
+    struct timespec a, b;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    for (long i = 0; i < n; i++)
+      __asm__ volatile(STEP(0, 6) STEP(1, 7) STEP(2, 8) STEP(3, 9) STEP(4, 10) STEP(5, 11)
+                       ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+                       "xmm11");
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    double giga = 6.0 * n / ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec));
     if (giga > best) best = giga;
   }
   printf("%.4f\n", best);
@@ -132,6 +165,34 @@ def vnni_per_second() -> float | None:
     return None if giga is None else giga * 1e9
 
 
+def avx2_steps_per_second() -> float | None:
+    """AVX2 int8 steps (``VPMADDUBSW`` + ``VPMADDWD`` + ``VPADDD`` on ymm: 32 MACs) per second on one core (six
+    independent chains; best of 300 runs), or None without AVX2 (or ``FXQUANT_ISA`` below it) or a C compiler."""
+    if isa_level() == "below avx2":
+        return None
+    giga = _run_c(_AVX2_C)
+    return None if giga is None else giga * 1e9
+
+
+def int8_peak(ghz: float) -> tuple[str, float, str]:
+    """(ISA, one core's INT8 peak in GMAC/s, how it was obtained) at clock ``ghz``: AMX assumed; VNNI measured, else
+    (AVX2 or AVX512 without VNNI: oneDNN's and fbgemm's kernels there are the AVX2 step) the AVX2 step measured."""
+    if has_amx_int8():
+        return "AMX", ghz * 1024, "TDPBUSD: 16384 MACs per 16 cycles, assumed"
+    vnni = vnni_per_second()
+    if vnni is not None:
+        return "VNNI", vnni * 64 / 1e9, (f"VPDPBUSD zmm: 64 MACs, measured {vnni / 1e9:.2f} G/s = "
+                                         f"{vnni / 1e9 / ghz:.2f} per cycle (twelve independent chains, best of 300 "
+                                         "runs)")
+    avx2 = None if has_vnni() else avx2_steps_per_second()  # AVX-VNNI without AVX512: assumed below
+    if avx2 is not None:
+        return "AVX2", avx2 * 32 / 1e9, (f"VPMADDUBSW+VPMADDWD+VPADDD ymm: 32 MACs, measured {avx2 / 1e9:.2f} G/s = "
+                                         f"{avx2 / 1e9 / ghz:.2f} per cycle (six independent chains, best of 300 "
+                                         "runs)")
+    return "VNNI", ghz * 128, ("VPDPBUSD zmm: 64 MACs, 2 per cycle assumed (not measured: no C compiler, or "
+                               "AVX512-VNNI absent or capped by FXQUANT_ISA)")
+
+
 def _cpuinfo_mhz() -> float:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -147,18 +208,7 @@ def peak_line(what: str, macs: int, ms: float, who: str) -> str:
     saying how the peak and the clock were obtained."""
     ghz, how = clock_ghz()
     rate = macs / (ms / 1e3) / 1e9
-    amx = has_amx_int8()
-    vnni = None if amx else vnni_per_second()
-    if amx:
-        isa, peak, assumption = "AMX", ghz * 1024, "TDPBUSD: 16384 MACs per 16 cycles, assumed"
-    elif vnni is not None:
-        isa, peak = "VNNI", vnni * 64 / 1e9
-        assumption = (f"VPDPBUSD zmm: 64 MACs, measured {vnni / 1e9:.2f} G/s = {vnni / 1e9 / ghz:.2f} per cycle "
-                      "(twelve independent chains, best of 300 runs)")
-    else:
-        isa, peak = "VNNI", ghz * 128
-        assumption = ("VPDPBUSD zmm: 64 MACs, 2 per cycle assumed (not measured: no C compiler, or AVX512-VNNI "
-                      "absent or capped by FXQUANT_ISA)")
+    isa, peak, assumption = int8_peak(ghz)
     return (f"{what}: {rate:.1f} GMAC/s = {100 * rate / peak:.1f}% of {isa} peak ({peak:.0f} GMAC/s; clock "
             f"{ghz:.2f} GHz) - {who}, {macs / 1e9:.2f} GMAC per call in {ms:.2f} ms, one core; clock {how}; "
             f"{assumption}")

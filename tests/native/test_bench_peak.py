@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fxquant.native.isa import has_amx_int8
+from fxquant.native.isa import has_amx_int8, has_vnni
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from _bench_peak import clock_ghz, peak_line, vnni_per_second  # scripts/ is not a package
+from _bench_peak import avx2_steps_per_second, clock_ghz, peak_line, vnni_per_second  # scripts/ is not a package
 
 
 def test_the_vnni_probe_reads_one_or_two_instructions_per_cycle() -> None:
@@ -29,3 +29,19 @@ def test_the_vnni_probe_reads_one_or_two_instructions_per_cycle() -> None:
         line = peak_line("row", macs=int(rate * 64), ms=1000.0, who="probe")  # the peak, for one second
         fraction = re.search(r"= ([0-9.]+)% of VNNI peak", line)  # the line measures the probe again
         assert fraction is not None and 90 < float(fraction.group(1)) < 110 and "measured" in line, line
+
+
+def test_without_vnni_the_peak_is_the_measured_avx2_step() -> None:
+    """Without VNNI the engines' int8 kernels take VPMADDUBSW + VPMADDWD + VPADDD for 32 MACs: one such step per 4
+    cycles (Zen 1: both multiplies split over one 128-bit multiply pipe) up to one per cycle (two 256-bit multiply
+    pipes); the peak line divides by the measured rate."""
+    if has_vnni() or has_amx_int8():
+        pytest.skip("this CPU (under FXQUANT_ISA) has VNNI or AMX: the peak is theirs")
+    rate = avx2_steps_per_second()
+    ghz, how = clock_ghz()
+    if rate is None or not how.startswith("measured"):
+        pytest.skip("no AVX2 or no C compiler here: nothing is measured")
+    assert 0.15 < rate / 1e9 / ghz < 1.2, rate / 1e9 / ghz
+    line = peak_line("row", macs=int(rate * 32), ms=1000.0, who="probe")  # the peak, for one second
+    fraction = re.search(r"= ([0-9.]+)% of AVX2 peak", line)
+    assert fraction is not None and 80 < float(fraction.group(1)) < 120 and "measured" in line, line
