@@ -14,9 +14,10 @@ Peak MACs per cycle per core:
   256-bit pipes. So it is measured, like the clock: twelve independent ``VPDPBUSD zmm`` chains in a tiny C program,
   best of many short runs, instructions per second times 64 is the peak. Without a C compiler two per cycle are
   assumed (the line says so);
-- without VNNI (AVX2, or AVX512 without VNNI), oneDNN's and fbgemm's int8 kernels take three instructions for 32
-  MACs (``VPMADDUBSW`` to 16-bit pair sums, ``VPMADDWD`` by ones to 32 bits, ``VPADDD``): measured the same way, six
-  independent chains of those three on ymm registers.
+- AVX2 alone (no AVX512, no VNNI): oneDNN's and fbgemm's int8 kernels take three instructions for 32 MACs
+  (``VPMADDUBSW`` to 16-bit pair sums, ``VPMADDWD`` by ones to 32 bits, ``VPADDD``): measured the same way, six
+  independent chains of those three on ymm registers. (AVX512 without VNNI runs the same step on zmm: not measured,
+  the line says it assumed the VNNI rate.)
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def avx2_steps_per_second() -> float | None:
 
 def int8_peak(ghz: float) -> tuple[str, float, str]:
     """(ISA, one core's INT8 peak in GMAC/s, how it was obtained) at clock ``ghz``: AMX assumed; VNNI measured, else
-    (AVX2 or AVX512 without VNNI: oneDNN's and fbgemm's kernels there are the AVX2 step) the AVX2 step measured."""
+    on AVX2 alone (oneDNN's and fbgemm's kernels there are the AVX2 step) that step measured; else assumed."""
     if has_amx_int8():
         return "AMX", ghz * 1024, "TDPBUSD: 16384 MACs per 16 cycles, assumed"
     vnni = vnni_per_second()
@@ -184,7 +185,7 @@ def int8_peak(ghz: float) -> tuple[str, float, str]:
         return "VNNI", vnni * 64 / 1e9, (f"VPDPBUSD zmm: 64 MACs, measured {vnni / 1e9:.2f} G/s = "
                                          f"{vnni / 1e9 / ghz:.2f} per cycle (twelve independent chains, best of 300 "
                                          "runs)")
-    avx2 = None if has_vnni() else avx2_steps_per_second()  # AVX-VNNI without AVX512: assumed below
+    avx2 = None if has_vnni() or has_avx512() else avx2_steps_per_second()  # AVX-VNNI, AVX512: assumed below
     if avx2 is not None:
         return "AVX2", avx2 * 32 / 1e9, (f"VPMADDUBSW+VPMADDWD+VPADDD ymm: 32 MACs, measured {avx2 / 1e9:.2f} G/s = "
                                          f"{avx2 / 1e9 / ghz:.2f} per cycle (six independent chains, best of 300 "

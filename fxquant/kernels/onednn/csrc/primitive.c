@@ -109,7 +109,8 @@ static void free_memories(CallMemories *m) {
    weight_dims: plain int8 weight, row-major: (O, I) for a Linear, (O, I, k...) or (G, O/G, I/G, k...) for a conv;
    weight_scales / bias: float32 bytes (bias may be None); dst_type: "u8" or "f32" (no dst scale/zero point);
    conv: None for a Linear, else (strides, dilations (oneDNN's: 0 = dense), padding_l, padding_r);
-   eltwise: a tuple of (algorithm, alpha, beta), applied in order; sum: None or (scale, zero_point): dst += scale * (dst_before - zp);
+   eltwise: a tuple of (algorithm, alpha, beta), applied in order;
+   sum: None or (scale, zero_point): dst += scale * (dst_before - zp);
    share: Primitives built from the same weight (other input shapes or thread counts): where oneDNN chose the layout
    of one of them, its reordered weights are used, not a copy. weight_ptr None: the weights must come from ``share``
    (the caller keeps no plain copy); LookupError where none of them has the chosen layout. */
