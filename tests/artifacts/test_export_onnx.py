@@ -171,7 +171,6 @@ def _float_products(qmodel: nn.Module) -> int:
 
 class Exported(NamedTuple):
     path: Path
-    prepared: fx.GraphModule
     qmodel: nn.Module
     fresh: tuple[torch.Tensor, ...]
 
@@ -189,14 +188,14 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Exported
         backend = "onednn" if case.backend == "reference" and not cpu_sums_int8_exactly() else case.backend
         qmodel = fxquant.convert(prepared, backend=backend)
         path = fxquant.export(qmodel, root / f"{name}.onnx")
-        return Exported(path, prepared, qmodel, _batches(case.shape, 16, 1, seed=100)[0])
+        return Exported(path, qmodel, _batches(case.shape, 16, 1, seed=100)[0])
 
     return build
 
 
 @pytest.mark.parametrize("name", _case_params())
 def test_single_op_within_one_output_step_of_the_reference(name: str, single: Callable[[str], Exported]) -> None:
-    path, _, qmodel, fresh = single(name)
+    path, qmodel, fresh = single(name)
     expected = relowered(qmodel, CASES[name].against)(*fresh)  # its arithmetic on the file's qparams
     got = _run(_session(path), fresh)
     assert got.shape == expected.shape
@@ -211,7 +210,7 @@ ORT_CPU_FLOAT = {"conv_transpose2d"}
 
 @pytest.mark.parametrize("name", [p for p in _case_params() if p.values[0] not in ORT_CPU_FLOAT])
 def test_single_op_runs_on_one_int8_kernel_per_layer(name: str, single: Callable[[str], Exported]) -> None:
-    path, _, qmodel, fresh = single(name)
+    path, qmodel, fresh = single(name)
     ran = _kernels(path, fresh)
     assert sum(op in INT8_KERNELS for op in ran) == _int8_layers(qmodel), f"{name}: ran {ran}"
     assert not FLOAT_KERNELS & set(ran), f"{name}: float kernels ran: {ran}"
@@ -224,7 +223,7 @@ def test_conv_transpose_is_qdq_but_ort_cpu_runs_it_in_float(single: Callable[[st
     this fails and docs/export.md changes."""
     import onnx
 
-    path, _, _, fresh = single("conv_transpose2d")
+    path, _, fresh = single("conv_transpose2d")
     graph = onnx.load(str(path)).graph
     assert any(init.data_type == onnx.TensorProto.INT8 and len(init.dims) == 4 for init in graph.initializer)
     ran = _kernels(path, fresh)
@@ -245,7 +244,7 @@ def zoo(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Expor
         onednn = fxquant.convert(prepared, backend="onednn")
         path = fxquant.export(onednn, root / f"{name}.onnx")
         fresh = _batches(shape, 32, 1, seed=100)[0]
-        return Exported(path, prepared, onednn, fresh), onednn, fxquant.convert(prepared, backend="reference")
+        return Exported(path, onednn, fresh), onednn, fxquant.convert(prepared, backend="reference")
 
     return build
 
