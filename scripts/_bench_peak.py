@@ -55,24 +55,25 @@ int main(void) {
 """
 
 
-_VNNI_C = r"""
+# A throughput probe: CHAINS independent chains of BODY (asm on registers 0-11; SETUP fills 13-15), repeated; prints
+# the best rate of chain steps per second (in G/s) over 300 short runs. Each probe fills in its DEFINES, SETUP, BODY.
+_PROBE_C = r"""
 #include <stdio.h>
 #include <time.h>
-#define DP(acc) "vpdpbusd %%zmm14, %%zmm15, %%zmm" #acc "\n\t"
+@DEFINES@
 int main(void) {
-  const long n = 250000L;  /* twelve independent chains: 3M instructions a run */
+  const long n = 250000L;
   double best = 0;
-  __asm__ volatile("vpternlogd $0xff, %%zmm14, %%zmm14, %%zmm14\n\tvpternlogd $0xff, %%zmm15, %%zmm15, %%zmm15"
-                   ::: "xmm14", "xmm15");
+  __asm__ volatile(@SETUP@ ::: "xmm13", "xmm14", "xmm15");
   for (int r = 0; r < 300; r++) {
     struct timespec a, b;
     clock_gettime(CLOCK_MONOTONIC, &a);
     for (long i = 0; i < n; i++)
-      __asm__ volatile(DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7) DP(8) DP(9) DP(10) DP(11)
+      __asm__ volatile(@BODY@
                        ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
                        "xmm11");
     clock_gettime(CLOCK_MONOTONIC, &b);
-    double giga = 12.0 * n / ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec));
+    double giga = @CHAINS@.0 * n / ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec));
     if (giga > best) best = giga;
   }
   printf("%.4f\n", best);
@@ -81,34 +82,21 @@ int main(void) {
 """
 
 
-_AVX2_C = r"""
-#include <stdio.h>
-#include <time.h>
-/* one u8*s8 step of an AVX2 int8 GEMM without VNNI: 32 products summed in pairs to 16 bits, pairs of those to 32
-   bits, added to the accumulator */
-#define STEP(t, acc) "vpmaddubsw %%ymm14, %%ymm15, %%ymm" #t "\n\tvpmaddwd %%ymm13, %%ymm" #t ", %%ymm" #t \
-                     "\n\tvpaddd %%ymm" #t ", %%ymm" #acc ", %%ymm" #acc "\n\t"
-int main(void) {
-  const long n = 250000L;  /* six independent chains: 1.5M steps a run */
-  double best = 0;
-  __asm__ volatile("vpcmpeqd %%ymm13, %%ymm13, %%ymm13\n\tvpsrlw $15, %%ymm13, %%ymm13\n\t"
-                   "vpcmpeqd %%ymm14, %%ymm14, %%ymm14\n\tvpcmpeqd %%ymm15, %%ymm15, %%ymm15" ::: "xmm13", "xmm14",
-                   "xmm15");
-  for (int r = 0; r < 300; r++) {
-    struct timespec a, b;
-    clock_gettime(CLOCK_MONOTONIC, &a);
-    for (long i = 0; i < n; i++)
-      __asm__ volatile(STEP(0, 6) STEP(1, 7) STEP(2, 8) STEP(3, 9) STEP(4, 10) STEP(5, 11)
-                       ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
-                       "xmm11");
-    clock_gettime(CLOCK_MONOTONIC, &b);
-    double giga = 6.0 * n / ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec));
-    if (giga > best) best = giga;
-  }
-  printf("%.4f\n", best);
-  return 0;
-}
-"""
+def _probe(defines: str, setup: str, body: str, chains: int) -> str:
+    return (_PROBE_C.replace("@DEFINES@", defines).replace("@SETUP@", setup).replace("@BODY@", body)
+            .replace("@CHAINS@", str(chains)))
+
+
+_VNNI_C = _probe(r'''#define DP(acc) "vpdpbusd %%zmm14, %%zmm15, %%zmm" #acc "\n\t"''',
+                 r'''"vpternlogd $0xff, %%zmm14, %%zmm14, %%zmm14\n\tvpternlogd $0xff, %%zmm15, %%zmm15, %%zmm15"''',
+                 "DP(0) DP(1) DP(2) DP(3) DP(4) DP(5) DP(6) DP(7) DP(8) DP(9) DP(10) DP(11)", 12)
+# one u8*s8 step of an AVX2 int8 GEMM without VNNI: 32 products summed in pairs to 16 bits, pairs of those to 32 bits,
+# added to the accumulator
+_AVX2_C = _probe(r'''#define STEP(t, acc) "vpmaddubsw %%ymm14, %%ymm15, %%ymm" #t "\n\tvpmaddwd %%ymm13, %%ymm" #t \
+  ", %%ymm" #t "\n\tvpaddd %%ymm" #t ", %%ymm" #acc ", %%ymm" #acc "\n\t"''',
+                 r'''"vpcmpeqd %%ymm13, %%ymm13, %%ymm13\n\tvpsrlw $15, %%ymm13, %%ymm13\n\t"
+                   "vpcmpeqd %%ymm14, %%ymm14, %%ymm14\n\tvpcmpeqd %%ymm15, %%ymm15, %%ymm15"''',
+                 "STEP(0, 6) STEP(1, 7) STEP(2, 8) STEP(3, 9) STEP(4, 10) STEP(5, 11)", 6)
 
 
 def count_macs(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> int:
