@@ -15,7 +15,7 @@ from setuptools import Extension, setup
 
 POSIX = sys.platform != "win32"
 NATIVE_SOURCES = [f"fxquant/native/csrc/{name}.c"
-                  for name in ("module", "module_rows", "histogram", "elementwise", "amx_gemm", "patches",
+                  for name in ("module", "module_rows", "histogram", "elementwise", "amx_gemm", "rows_avx2", "patches",
                                "weight_only", "int8_rows", "int8_groups", "attention", "full_attention", "pool")]
 NATIVE_HEADERS = ["fxquant/native/csrc/native.h", "fxquant/native/csrc/gemm.h", "fxquant/native/csrc/module_rows.h",
                   "fxquant/native/csrc/exp2.h"]

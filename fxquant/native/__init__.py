@@ -26,7 +26,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from fxquant.native import isa, loader, scratch
-from fxquant.native.amx_gemm import conv_into, linear_rows_into, patches_into
+from fxquant.native.amx_gemm import Requant, conv_into, linear_rows_into, patches_into
 from fxquant.native.elementwise import (
     ByteLevels,
     MulLayout,
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DISABLE_ENV", "THREAD_LIMITS", "ByteLevels", "MulLayout", "MulRequant", "PoolShape", "PoolWindow",
-    "QuantizeParams", "Scan", "available", "channel_means_call", "channel_means_into", "concat", "conv_into",
+    "QuantizeParams", "Requant", "Scan", "available", "channel_means_call", "channel_means_into", "concat", "conv_into",
     "dense_format", "isa", "linear_rows_into", "loader", "lookup_into", "loops", "loops_for", "max_pool_call",
     "mul_into", "patches_into", "quantize_call", "quantize_into", "scan_into", "scratch",
 ]

@@ -24,7 +24,7 @@ _PoolWindow = tuple[int, int, int, int, int, int, int, int]  # kernel, stride, p
 
 # amx_gemm.c, patches.c
 _GemmWeights = tuple[int, int, int, int, int, int, int, int]  # w, colsum, int_bias, bias, multipliers, sizes (3)
-_Requant = tuple[int, int, bool]  # zx, zo, relu
+_Requant = tuple[int, int, bool, int]  # zx, zo, relu, qmax
 _ConvInput = tuple[int, tuple[int, int, int, int, int], _Quad]  # data, (N, D, H, W, C), strides (bytes)
 _ConvWindow = tuple[_Triple, _Triple, _Triple]  # kernel, stride, padding
 _ConvOutput = tuple[int, _Triple, _Quad]  # data, (Do, Ho, Wo), strides (bytes)

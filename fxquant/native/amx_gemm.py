@@ -1,6 +1,7 @@
-"""Typed wrappers of the int8 GEMM loops (``fxquant/native/csrc/amx_gemm.c`` and ``patches.c``): convs, few-row
-Linears and kernel == stride transposed convs, each computing the bytes fbgemm's or qnnpack's kernel computes, on
-AVX512-VNNI and AMX tiles. Which layers take them, and why: docs/amx.md; the packing: ``fxquant/kernels/torch_engines``.
+"""Typed wrappers of the int8 GEMM loops (``fxquant/native/csrc/amx_gemm.c``, ``rows_avx2.c`` and ``patches.c``):
+convs, few-row Linears and kernel == stride transposed convs, each computing the bytes fbgemm's or qnnpack's kernel
+computes, on AVX512-VNNI and AMX tiles (few-row Linears also on AVX2 alone). Which layers take them, and why:
+docs/amx.md; the packing: ``fxquant/kernels/torch_engines``.
 
 Each wrapper returns False (nothing written) where this process cannot run its loop, and the caller keeps the
 engine's kernel. The records below are the C structs, one tuple each, fields in order.
@@ -34,11 +35,14 @@ class GemmWeights(NamedTuple):
 
 
 class Requant(NamedTuple):
-    """C ``Requant``: input and output zero points, and a fused ReLU."""
+    """C ``Requant``: input and output zero points, a fused ReLU, and the top of the output's range (255, or 127
+    for 7-bit activations, whose layers the engine's op would leave to one more clamp): outputs saturate to
+    ``[zo if relu else 0, qmax]``."""
 
     zx: int
     zo: int
     relu: bool
+    qmax: int
 
 
 class ConvInput(NamedTuple):
@@ -134,10 +138,11 @@ def patches_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, colum
 
 def conv_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_sums: torch.Tensor, factors: Factors,
               out_channels: int, geometry: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]],
-              zero_points: tuple[int, int], relu: bool) -> bool:
+              requant: Requant) -> bool:
     """A 1-, 2- or 3-d conv as fbgemm or qnnpack computes it, on AMX tiles (``conv_u8``): ``a`` (N, C, *size) and
     ``out`` (N, C_out, *out_size) with channels at stride 1; ``factors``: int32 bias, float bias and multiplier per
-    channel; ``geometry``: kernel, stride and padding, one entry per spatial dimension. False where the process
+    channel; ``geometry``: kernel, stride and padding, one entry per spatial dimension; ``requant``: zero points,
+    ReLU and the output range's top. False where the process
     cannot use AMX (nothing written)."""
     assert loader.loops is not None and (a.stride(1) == 1 or a.shape[1] == 1) and out.stride(1) == 1
     missing = 5 - a.dim()  # as (N, D, H, W, C): a 2-d conv has depth 1, a 1-d conv height 1 too
@@ -151,17 +156,18 @@ def conv_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_s
     out_size, out_strides = full(out.shape[2:], 1), full(out.stride()[2:], 0)
     x = ConvInput(a.data_ptr(), (a.shape[0], *size, a.shape[1]), (a.stride(0), *x_strides))
     weights = _gemm_weights(weight, column_sums, factors, (a.shape[1], weight.shape[1], out_channels))
-    return extension.conv_u8(x, ConvWindow(kernel, stride, padding), weights, Requant(*zero_points, relu),
+    return extension.conv_u8(x, ConvWindow(kernel, stride, padding), weights, requant,
                              ConvOutput(out.data_ptr(), out_size, (out.stride(0), *out_strides)))
 
 
 def linear_rows_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_sums: torch.Tensor,
-                     factors: Factors, out_channels: int, zero_points: tuple[int, int], relu: bool) -> bool:
+                     factors: Factors, out_channels: int, requant: Requant) -> bool:
     """A Linear on the rows of ``a`` (rows, C) into ``out`` (rows, C_out), both with unit column stride, with the
     conv loop's requantization and ``weight`` blocked by 64 channels (``NativeConv.row_weight``), by AVX512-VNNI
-    (``linear_rows_u8``: for a few rows, where 16-row AMX tiles would be mostly empty). False where the CPU lacks
-    VNNI (nothing written)."""
+    (``linear_rows_u8``: for a few rows, where 16-row AMX tiles would be mostly empty), else by AVX2, which sums
+    pairs of products in 16 bits as fbgemm's AVX2 kernel does (exact on 7-bit inputs). False where the CPU lacks
+    AVX2 (nothing written)."""
     assert loader.loops is not None and a.dim() == 2 and out.dim() == 2 and (a.stride(1) == 1 or a.shape[1] == 1)
     weights = _gemm_weights(weight, column_sums, factors, (a.shape[1], column_sums.shape[0], out_channels))
     return extension.linear_rows_u8(ByteRows(a.data_ptr(), a.stride(0)), a.shape[0], weights,
-                                    Requant(*zero_points, relu), ByteRows(out.data_ptr(), out.stride(0)))
+                                    requant, ByteRows(out.data_ptr(), out.stride(0)))

@@ -69,6 +69,11 @@ def _allows(level: str) -> bool:
     return ISA_LEVELS.index(level) <= isa_cap() and any(needed <= flags for needed in _LEVEL_FLAGS[level])
 
 
+def has_avx2() -> bool:
+    """AVX2: the few-row Linear loop of CPUs without VNNI (fbgemm's pairwise 16-bit sums, exact on 7-bit inputs)."""
+    return _allows("avx2")
+
+
 def has_avx512() -> bool:
     """AVX512F and BW: the byte loops (row copies, VBMI lookups) take 64 bytes a step."""
     return _allows("avx512")

@@ -10,6 +10,7 @@ beyond int16).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -29,13 +30,14 @@ from fxquant import native
 from fxquant.kernels.base import ConvSpec, PackedWeight
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.kernels.torch_engines.amx_conv import native_conv
-from fxquant.native.isa import has_amx_int8, has_vnni, isa_level
-from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
+from fxquant.native.isa import has_amx_int8, has_avx2, has_vnni, isa_level
+from fxquant.qparams import INT8_RANGE, REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 
 ENGINES = [name for name in ("fbgemm", "qnnpack") if name in available_backends()]
 pytestmark = pytest.mark.skipif("fbgemm" not in ENGINES, reason="no fbgemm engine in this torch build")
 CONV_LOOP = native.loops is not None and has_amx_int8()  # elsewhere the engine's convs (tested below)
 ROW_LOOP = native.loops is not None and has_vnni()  # the few-row Linear loop needs AVX512-VNNI only
+AVX2_ROWS = native.loops is not None and not has_vnni() and has_avx2()  # else fbgemm's Linears take its AVX2 form
 WHY_NOT = f"this process has {'no C extension' if native.loops is None else 'ISA ' + isa_level()}"
 needs_tiles = pytest.mark.skipif(not CONV_LOOP, reason=f"the conv loop needs AMX-INT8; {WHY_NOT}")
 
@@ -130,9 +132,10 @@ def test_strided_inputs_no_bias_and_zero_points_at_the_ends(layout: str, bias: b
 
 
 # (input shape, out features): AMX tiles (16+ rows, 2**20+ multiply-adds), the VNNI row loop (fewer rows, a tiny
-# layer), a 3-d input, C_out not a multiple of 16, C_in not a multiple of 4
+# layer), a 3-d input, C_out not a multiple of 16, C_in not a multiple of 4; the AVX2 loop's tiles of 1-4 rows
+# (7 rows: 4 + 3), a C_out that ends inside a 64-channel block and 8 past a 16-channel one
 LINEARS = [((64, 256), 128), ((40, 96), 48), ((3, 7, 64), 17), ((128, 256), 10), ((4, 1024), 64), ((1, 784), 256),
-           ((5, 33), 20)]
+           ((5, 33), 20), ((2, 130), 70), ((7, 61), 136), ((3, 1000), 33)]
 
 
 @pytest.fixture
@@ -164,23 +167,26 @@ def test_the_linear_loop_gives_the_engines_bits(shape: tuple[int, ...], out_feat
     if extreme:
         q_w = torch.where(q_w < 0, -128, 127).to(torch.int8)
     in_qp = QParams(torch.tensor(0.02), torch.tensor(90), *UINT8_RANGE)
-    out_qp = QParams(torch.tensor(2.0 if extreme else 0.2), torch.tensor(30), *UINT8_RANGE)
     a = backend.quantize((levels - 90).float() * 0.02, in_qp)
     packed = backend.prepack_linear(q_w, _weight_qp(out_features, gen), torch.randn(out_features, generator=gen),
                                     in_qp=in_qp)
     op = dataclasses.replace(packed, payload=(packed.payload[0], None))
-    for relu in (False, True):
+    # a 7-bit output range: the loop saturates at 127 itself, where the op is followed by a clamp
+    for out_range, relu in itertools.product((UINT8_RANGE, REDUCED_UINT8_RANGE), (False, True)):
+        out_qp = QParams(torch.tensor(2.0 if extreme else 0.2), torch.tensor(30), *out_range)
         _same(backend.linear(a, packed, in_qp, out_qp, relu=relu), backend.linear(a, op, in_qp, out_qp, relu=relu))
-    assert ran == [expected] * 2
+    assert ran == [expected] * 4
 
 
 def _linear_path(rows: int, macs: int, engine: str) -> str | None:
     """Which loop a Linear takes, as docs/amx.md states the measured rule: with AMX, tiles from 16 rows and 2**20
     multiply-adds and the VNNI row loop below; with VNNI only, the row loop below 16 rows (fbgemm: below 8 rows or
-    2**22 multiply-adds); else None (the engine's Linear)."""
+    2**22 multiply-adds); with AVX2 alone, fbgemm's below 16 rows; else None (the engine's Linear)."""
     if CONV_LOOP:
         return "conv_into" if rows >= 16 and macs >= 1 << 20 else "linear_rows_into"
     if ROW_LOOP and rows < 16 and (engine == "qnnpack" or rows < 8 or macs < 1 << 22):
+        return "linear_rows_into"
+    if AVX2_ROWS and rows < 16 and engine == "fbgemm":
         return "linear_rows_into"
     return None
 
@@ -260,6 +266,21 @@ def test_without_amx_linears_take_the_row_loop_below_the_measured_limits() -> No
     assert small is not None and big is not None and qbig is not None and conv is None
     assert small.takes(8) and not small.takes(16) and not small.tiled(8)
     assert big.takes(4) and not big.takes(8) and qbig.takes(15) and not qbig.takes(16)
+
+
+@pytest.mark.skipif(not AVX2_ROWS, reason=f"the AVX2 rule applies where VNNI is not: {WHY_NOT}")
+def test_with_avx2_alone_fbgemm_linears_take_the_row_loop_below_16_rows() -> None:
+    """Its 16-bit pair sums are fbgemm's own (the same pairs saturate alike on 8-bit inputs, tested above), not
+    qnnpack's exact ones: qnnpack keeps its kernel, and convs keep the engines' (docs/amx.md)."""
+    gen = torch.Generator().manual_seed(0)
+    rows = ConvSpec(1, (1,), (0,), (1,), 1, False, (0,))
+    big = native_conv(torch.ones(1024, 1024, 1, dtype=torch.int8), _weight_qp(1024, gen), None, rows, linear=True)
+    qbig = native_conv(torch.ones(1024, 1024, 1, dtype=torch.int8), _weight_qp(1024, gen), None, rows, linear=True,
+                       engine="qnnpack")
+    conv = native_conv(torch.ones(8, 8, 3, 3, dtype=torch.int8), _weight_qp(8, gen), None,
+                       ConvSpec(2, (1, 1), (1, 1), (1, 1), 1, False, (0, 0)))
+    assert big is not None and qbig is None and conv is None and not big.vnni
+    assert big.takes(1) and big.takes(15) and not big.takes(16) and not big.tiled(8)
 
 
 class _SmallNet(nn.Module):

@@ -135,7 +135,7 @@ def test_the_stub_says_what_the_c_entry_points_parse() -> None:
 
 @pytest.mark.parametrize(("old", "new", "expected"), [
     ("counts_ptr: int, /) -> tuple[float, float, bool]", "/) -> tuple[float, float, bool]", "scan_f32: the stub"),
-    ("_Requant = tuple[int, int, bool]", "_Requant = tuple[int, int, int]", "conv_u8: the stub"),
+    ("_Requant = tuple[int, int, bool, int]", "_Requant = tuple[int, int, int, int]", "conv_u8: the stub"),
     ("_PatchRequant = tuple[float, float, int, int]", "_PatchRequant = tuple[float, float, int]", "patches_u8"),
     ("def lookup_u8(src_ptr: int, dst_ptr: int, n: int, table_ptr: int, /)",
      "def lookup_u8(src_ptr: int, dst_ptr: int, n: int, table_ptr: int)", "positional-only"),

@@ -1,5 +1,5 @@
-"""fbgemm's and qnnpack's convs and Linears in fxquant's C loops: ``conv_u8`` on AMX tiles and the VNNI row loop
-for few-row Linears (in :mod:`fxquant.native`), bit-identical to the engine's own kernel.
+"""fbgemm's and qnnpack's convs and Linears in fxquant's C loops: ``conv_u8`` on AMX tiles and the VNNI (or, for
+fbgemm, AVX2) row loop for few-row Linears (in :mod:`fxquant.native`), bit-identical to the engine's own kernel.
 
 fbgemm builds an im2col copy of the input on every call, which dominates on convs with few channels, and qnnpack's
 x86 kernels are SSE2 (docs/amx.md, "Why: fbgemm's im2col on few-channel convs"). With AMX-INT8 the C loop sums the
@@ -11,7 +11,8 @@ loop is skipped while tracing) computes what the eager model computes.
 
 Taken for Linears (as 1x1 convs over their rows) and 1-, 2- and 3-d convs with groups 1, dilation 1 and
 per-channel weights with zero point 0 (fxquant's default), at sizes where it was measured faster
-(:meth:`NativeConv.takes`); everything else, and CPUs without AMX, keeps the engine's kernels. This module owns that
+(:meth:`NativeConv.takes`); everything else keeps the engine's kernels: convs without AMX, qnnpack's Linears
+without VNNI (qnnpack sums 8-bit inputs exactly, the AVX2 loop in 16-bit pairs as fbgemm does). This module owns that
 dispatch: it lays out weights and requantization constants at packing (:func:`native_conv`) and decides, per call,
 whether a loop runs (:func:`run_conv`, :func:`run_linear`); the quantized tensors themselves are made in
 :mod:`fxquant.kernels.torch_engines.engine`.
@@ -27,7 +28,7 @@ import torch
 from fxquant import native
 from fxquant.kernels.base import ConvSpec
 from fxquant.kernels.torch_engines.engine import empty_quantized, grid, int32_bias, is_quint8
-from fxquant.native.isa import has_amx_int8, has_vnni
+from fxquant.native.isa import has_amx_int8, has_avx2, has_vnni
 from fxquant.qparams import QParams
 
 Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int32 bias, float bias, float multiplier per channel
@@ -51,7 +52,8 @@ class NativeConv:
     engine: str = "fbgemm"
     linear: bool = False  # a Linear run as a 1x1 conv over its rows
     row_weight: torch.Tensor | None = None  # a Linear's weight blocked by 64 channels for the VNNI row loop
-    tiles: bool = True  # the CPU (within FXQUANT_ISA) has AMX-INT8; else only a Linear's VNNI row loop runs
+    tiles: bool = True  # the CPU (within FXQUANT_ISA) has AMX-INT8; else only a Linear's row loop runs
+    vnni: bool = True  # the row loop sums with VNNI; else with AVX2 alone (fbgemm's Linears only)
     _factors: dict[tuple[float, float], Factors] = field(default_factory=dict, repr=False)
 
     def macs(self, positions: int) -> int:
@@ -63,10 +65,10 @@ class NativeConv:
         their kernel below 2**17 multiply-adds, where the loop's fixed cost per call dominates. A Linear takes the
         tiles from 16 rows and 2**20 multiply-adds and the VNNI row loop below that, where 16-row tiles would be
         mostly empty. On a CPU with VNNI but no AMX the row loop runs below 16 rows (fbgemm's: below 8 rows or
-        2**22 multiply-adds) and the engine's kernel above."""
+        2**22 multiply-adds) and the engine's kernel above; with AVX2 alone, below 16 rows."""
         if self.linear:
             few = positions < 8 or self.macs(positions) < 1 << 22  # fbgemm's VNNI kernel wins above (docs/amx.md)
-            return self.tiles or (positions < 16 and (self.engine == "qnnpack" or few))
+            return self.tiles or (positions < 16 and (self.engine == "qnnpack" or not self.vnni or few))
         return self.tiles and (self.engine != "qnnpack" or self.macs(positions) >= 1 << 17)
 
     @property
@@ -75,7 +77,7 @@ class NativeConv:
         return f"{self.engine}_linear" if self.linear else "conv"
 
     def tiled(self, positions: int) -> bool:
-        """Whether :meth:`takes` means the AMX tiles (else, for a Linear, the VNNI row loop)."""
+        """Whether :meth:`takes` means the AMX tiles (else, for a Linear, the row loop)."""
         return self.tiles and (not self.linear or (positions >= 16 and self.macs(positions) >= 1 << 20))
 
     def factors(self, in_scale: float, out_scale: float) -> Factors:
@@ -102,9 +104,10 @@ def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, 
                 engine: str = "fbgemm", linear: bool = False) -> NativeConv | None:
     """Lay out an int8 conv ``weight`` (C_out, C_in, *kernel) for the C loop, or None where the loop does not take
     it (grouped, dilated or transposed, weights per tensor or with zero points, no C extension, a conv without AMX,
-    a Linear without AVX512-VNNI)."""
-    tiles = has_amx_int8()
-    if (native.loops is None or not (tiles or (linear and has_vnni())) or spec.groups != 1 or spec.transposed
+    a Linear without VNNI or, for fbgemm, AVX2)."""
+    tiles, vnni = has_amx_int8(), has_vnni()
+    row_loop = linear and (vnni or (engine == "fbgemm" and has_avx2()))
+    if (native.loops is None or not (tiles or row_loop) or spec.groups != 1 or spec.transposed
             or any(d != 1 for d in spec.dilation) or w_qp.axis != 0 or bool(w_qp.zero_point.ne(0).any())):
         return None
     out_channels, in_channels = weight.shape[:2]
@@ -128,14 +131,15 @@ def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, 
         wide[:out_channels] = padded[:out_channels, 0]
         row_weight = wide.reshape(-1, 64, span_pad // 4, 4).transpose(1, 2).contiguous()
     return NativeConv(packed, sums, floats[0].clone(), floats[1].clone(), in_channels, out_channels, spec,
-                      (kernel[0], kernel[1], kernel[2]), engine, linear, row_weight, tiles)
+                      (kernel[0], kernel[1], kernel[2]), engine, linear, row_weight, tiles, vnni)
 
 
-def run_conv(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
-    """The conv by the C loop on AMX tiles (the engine's results, channels-last), or None: no loop for this layer, a
-    traced export (it records the engine's conv), a size where the engine's kernel is faster, or a process without
-    AMX. An input with strided channels (fbgemm's 3-d convs return NCDHW) is made channels-last first, as the engine
-    itself does."""
+def run_conv(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, relu: bool,
+             qmax: int) -> torch.Tensor | None:
+    """The conv by the C loop on AMX tiles (the engine's results, channels-last, saturated to ``qmax`` as the
+    engine's op and a clamp to a 7-bit output range give them), or None: no loop for this layer, a traced export (it
+    records the engine's conv), a size where the engine's kernel is faster, or a process without AMX. An input with
+    strided channels (fbgemm's 3-d convs return NCDHW) is made channels-last first, as the engine itself does."""
     if loop is None:
         return None
     spec = loop.spec
@@ -152,32 +156,36 @@ def run_conv(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, re
     out = empty_quantized(shape, scale, zp).movedim(-1, 1)
     in_scale, in_zp = grid(a)
     done = native.conv_into(out, a, loop.weight, loop.column_sums, loop.factors(in_scale, scale),
-                            loop.out_channels, (kernel, spec.stride, spec.padding), (in_zp, zp), relu)
+                            loop.out_channels, (kernel, spec.stride, spec.padding),
+                            native.Requant(in_zp, zp, relu, qmax))
     return out if done else None
 
 
-def run_linear(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
-    """A Linear on the rows of a contiguous ``a`` by a C loop (the engine's results), or None: no loop for this
-    layer, an input the loop does not read (fewer than two dims, no features, not contiguous), no C loops in this
-    process, a traced export, or a size where the engine's kernel is faster (:meth:`NativeConv.takes`)."""
+def run_linear(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, relu: bool,
+               qmax: int) -> torch.Tensor | None:
+    """A Linear on the rows of a contiguous ``a`` by a C loop (the engine's results, saturated to ``qmax``), or
+    None: no loop for this layer, an input the loop does not read (fewer than two dims, no features, not contiguous),
+    no C loops in this process, a traced export, or a size where the engine's kernel is faster
+    (:meth:`NativeConv.takes`)."""
     # the size rule first: it is what declines most calls (fbgemm's kernel above a few rows), in plain integers
     if loop is None or a.dim() < 2 or not a.shape[-1] or not loop.takes(a.numel() // a.shape[-1]) \
             or not a.is_contiguous() or not native.available(loop.family) or torch.jit.is_tracing():
         return None
     rows = a.reshape(-1, a.shape[-1])
     if loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
-        tiles = run_conv(rows.t().unsqueeze(0), loop, scale, zp, relu)
+        tiles = run_conv(rows.t().unsqueeze(0), loop, scale, zp, relu, qmax)
         return None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
-    out = _run_rows(rows, loop, scale, zp, relu)
+    out = _run_rows(rows, loop, scale, zp, relu, qmax)
     return None if out is None else out.reshape(*a.shape[:-1], loop.out_channels)
 
 
-def _run_rows(rows: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool) -> torch.Tensor | None:
-    """A Linear on a few ``rows`` by the VNNI row loop (the engine's results), or None on a CPU without VNNI."""
+def _run_rows(rows: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool,
+              qmax: int) -> torch.Tensor | None:
+    """A Linear on a few ``rows`` by the row loop (the engine's results), or None on a CPU without AVX2."""
     if not is_quint8(rows) or loop.row_weight is None:
         return None
     out = empty_quantized([rows.shape[0], loop.out_channels], scale, zp)
     in_scale, in_zp = grid(rows)
     done = native.linear_rows_into(out, rows, loop.row_weight, loop.column_sums, loop.factors(in_scale, scale),
-                                   loop.out_channels, (in_zp, zp), relu)
+                                   loop.out_channels, native.Requant(in_zp, zp, relu, qmax))
     return out if done else None

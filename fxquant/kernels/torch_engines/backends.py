@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from fxquant import native
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight, same_grid
 from fxquant.kernels.registry import register_backend
-from fxquant.kernels.torch_engines.amx_conv import native_conv, run_conv, run_linear
+from fxquant.kernels.torch_engines.amx_conv import NativeConv, native_conv, run_conv, run_linear
 from fxquant.kernels.torch_engines.engine import (
     bytes_of,
     dequantized,
@@ -61,6 +61,12 @@ def _within(y: torch.Tensor, qp: QParams) -> torch.Tensor:
         return y
     scale, zp = qp.scalar()
     return torch.clamp(y, (qp.qmin - zp) * scale, (qp.qmax - zp) * scale)
+
+
+def _loop_for(loop: NativeConv | None, qp: QParams) -> NativeConv | None:
+    """The C loop where it can stand for the engine's op and :func:`_within`: it saturates its outputs to
+    ``[0, qmax]`` itself, so an output range that starts above 0 keeps the op and the clamp."""
+    return loop if qp.qmin == 0 else None
 
 
 def _canonical(a: torch.Tensor) -> torch.Tensor:
@@ -143,10 +149,10 @@ class _QuantizedDtypeBackend(Backend):
                relu: bool) -> torch.Tensor:
         payload, loop = packed.payload
         scale, zp = out_qp.scalar()
-        out = run_linear(a, loop, scale, zp, relu)
+        out = run_linear(a, _loop_for(loop, out_qp), scale, zp, relu, out_qp.qmax)  # saturates to the range itself
         if out is None:
-            out = (_q.linear_relu if relu else _q.linear)(a, payload, scale, zp)
-        return _within(out, out_qp)
+            out = _within((_q.linear_relu if relu else _q.linear)(a, payload, scale, zp), out_qp)
+        return out
 
     def prepack_conv(self, weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, spec: ConvSpec, *,
                      in_qp: QParams) -> PackedWeight:
@@ -159,10 +165,10 @@ class _QuantizedDtypeBackend(Backend):
              relu: bool) -> torch.Tensor:
         dim, payload, loop = packed.payload
         scale, zp = out_qp.scalar()
-        out = run_conv(a, loop, scale, zp, relu)
+        out = run_conv(a, _loop_for(loop, out_qp), scale, zp, relu, out_qp.qmax)
         if out is None:
-            out = _CONV_OPS[dim][2 if relu else 1](a, payload, scale, zp)
-        return _within(out, out_qp)
+            out = _within(_CONV_OPS[dim][2 if relu else 1](a, payload, scale, zp), out_qp)
+        return out
 
     def add(self, a: torch.Tensor, b: torch.Tensor, qa: QParams, qb: QParams, qout: QParams, *,
             relu: bool) -> torch.Tensor:

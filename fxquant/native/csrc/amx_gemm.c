@@ -38,7 +38,8 @@ static int amx_usable(void) {
  * conv computes (tests/kernels/test_conv_native.py compares them bit for bit): exact int32 sums of u8*s8 products,
  * minus the input zero point times each output channel's weight sum, then the engine's per-channel requantization -
  * fbgemm: (float(acc) + bias / (s_x * s_w)) * multiplier; qnnpack: float(acc + int32 bias) * multiplier - rounded to
- * nearest even, saturated to int16, plus the output zero point, saturated to [0, 255] ([zo, 255] with a ReLU).
+ * nearest even, saturated to int16, plus the output zero point, saturated to [0, qmax] ([zo, qmax] with a ReLU;
+ * qmax 255, or 127 for 7-bit activations, where the engine's op is followed by a clamp).
  * fbgemm builds an im2col copy per call and runs few-channel convs slowly (docs/amx.md); this runs them as an
  * implicit GEMM: the input is copied once into a buffer padded with its zero point, where one kernel row's inputs
  * for one output position - kw * C bytes - lie together, so each 16x16 int32 tile of output positions x channels
@@ -53,7 +54,7 @@ typedef struct {
     const float *bias;  /* fbgemm: bias / (s_x * s_w), per output channel, as fbgemm divides it; else 0 */
     const float *mult;  /* s_x * s_w / s_out (qnnpack: s_w * s_x * (1 / s_out)) */
     int64_t cp, n_pad, cout, kernel[3], stride[3];
-    int zx, zo, relu;
+    int zx, zo, relu, qmax;
 } ConvArgs;
 
 __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m128i conv_requantize(
@@ -65,7 +66,8 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) static inline __m128i
     const __m512 f = _mm512_add_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(p->bias + col));
     const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(f, _mm512_loadu_ps(p->mult + col)));
     const __m512i sum = _mm512_add_epi32(_mm512_min_epi32(q, _mm512_set1_epi32(32767)), _mm512_set1_epi32(p->zo));
-    return _mm512_cvtusepi32_epi8(_mm512_max_epi32(sum, _mm512_set1_epi32(p->relu ? p->zo : 0)));
+    const __m512i low = _mm512_set1_epi32(p->relu ? p->zo : 0);
+    return _mm512_cvtusepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(sum, low), _mm512_set1_epi32(p->qmax)));
 }
 
 /* The input (N, D, H, W, C) at strides xs into a dense (N, D + 2 pd, H + 2 ph, W + 2 pw, C), the zero point around
@@ -247,7 +249,7 @@ void fxq_linear_rows_u8(const ByteRows *x, int64_t rows, const GemmWeights *weig
                         const ByteRows *out) {
     const ConvArgs p = {weights->w, weights->colsum, weights->ibias, weights->bias, weights->mult,
                         weights->in_channels, weights->n_pad, weights->out_channels, {1, 1, 1}, {1, 1, 1},
-                        (int)requant->zx, (int)requant->zo, requant->relu};
+                        (int)requant->zx, (int)requant->zo, requant->relu, (int)requant->qmax};
     rows_vnni(&p, x->data, rows, x->stride, out->data, out->stride);
 }
 
@@ -264,7 +266,7 @@ int fxq_conv_u8(const ConvInput *x, const ConvWindow *window, const GemmWeights 
         return -1;
     const ConvArgs p = {weights->w, weights->colsum, weights->ibias, weights->bias, weights->mult, cp, weights->n_pad,
                         weights->out_channels, {kernel[0], kernel[1], kernel[2]}, {stride[0], stride[1], stride[2]},
-                        (int)requant->zx, (int)requant->zo, requant->relu};
+                        (int)requant->zx, (int)requant->zo, requant->relu, (int)requant->qmax};
     conv_pad(x->data, dims, x->strides, pads, cp, (int)requant->zx, pad);
     memset(pad + used, (int)requant->zx, size - used);
     conv_amx(&p, pad, pdims, out->size, out->data, out->strides);

@@ -210,13 +210,13 @@ static void gemm_weights(GemmWeights *w, const unsigned long long *addr) {
 
 static int bad_gemm(const GemmWeights *w, const Requant *r) {
     return w->n_pad % 16 || w->n_pad < w->out_channels || w->out_channels < 1 || r->zx < 0 || r->zx > 255 ||
-           r->zo < 0 || r->zo > 255;
+           r->zo < 0 || r->qmax < r->zo || r->qmax > 255;
 }
 
-/* linear_rows_u8((x_ptr, x_stride), rows, weights, (zx, zo, relu), (out_ptr, out_stride)) -> bool
+/* linear_rows_u8((x_ptr, x_stride), rows, weights, (zx, zo, relu, qmax), (out_ptr, out_stride)) -> bool
  *
- * weights blocked by 64 channels (fxquant.native.amx_gemm.linear_rows_into). False (nothing written) without
- * AVX512-VNNI. */
+ * weights blocked by 64 channels (fxquant.native.amx_gemm.linear_rows_into): the AVX512-VNNI loop, else the AVX2
+ * one. False (nothing written) without AVX2. */
 static PyObject *linear_rows_u8(PyObject *self, PyObject *args) {
     unsigned long long x_addr, out_addr, addr[5];
     ByteRows x, out;
@@ -224,21 +224,22 @@ static PyObject *linear_rows_u8(PyObject *self, PyObject *args) {
     GemmWeights w;
     Requant r;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KL)L(KKKKKLLL)(LLp)(KL)", &x_addr, &x.stride, &rows, &addr[0], &addr[1], &addr[2],
+    if (!PyArg_ParseTuple(args, "(KL)L(KKKKKLLL)(LLpL)(KL)", &x_addr, &x.stride, &rows, &addr[0], &addr[1], &addr[2],
                           &addr[3], &addr[4], &w.in_channels, &w.n_pad, &w.out_channels, &r.zx, &r.zo, &r.relu,
-                          &out_addr, &out.stride))
+                          &r.qmax, &out_addr, &out.stride))
         return NULL;
     if (rows < 0 || w.in_channels < 1 || bad_gemm(&w, &r)) {
         PyErr_SetString(PyExc_ValueError, "linear_rows_u8: bad shape, packing or zero point");
         return NULL;
     }
-    if (!fxq_vnni_usable())
+    const int vnni = fxq_vnni_usable();
+    if (!vnni && !fxq_avx2_usable())
         Py_RETURN_FALSE;
     gemm_weights(&w, addr);
     x.data = PTR(uint8_t, x_addr);
     out.data = PTR(uint8_t, out_addr);
     Py_BEGIN_ALLOW_THREADS
-    fxq_linear_rows_u8(&x, rows, &w, &r, &out);
+    (vnni ? fxq_linear_rows_u8 : fxq_linear_rows_u8_avx2)(&x, rows, &w, &r, &out);
     Py_END_ALLOW_THREADS
     Py_RETURN_TRUE;
 }
@@ -257,12 +258,12 @@ static PyObject *conv_u8(PyObject *self, PyObject *args) {
     ConvOutput out;
     int status;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(K(LLLLL)(LLLL))((LLL)(LLL)(LLL))(KKKKKLLL)(LLp)(K(LLL)(LLLL))", &x_addr,
+    if (!PyArg_ParseTuple(args, "(K(LLLLL)(LLLL))((LLL)(LLL)(LLL))(KKKKKLLL)(LLpL)(K(LLL)(LLLL))", &x_addr,
                           &x.dims[0], &x.dims[1], &x.dims[2], &x.dims[3], &x.dims[4], &x.strides[0], &x.strides[1],
                           &x.strides[2], &x.strides[3], &win.kernel[0], &win.kernel[1], &win.kernel[2],
                           &win.stride[0], &win.stride[1], &win.stride[2], &win.padding[0], &win.padding[1],
                           &win.padding[2], &addr[0], &addr[1], &addr[2], &addr[3], &addr[4], &w.in_channels,
-                          &w.n_pad, &w.out_channels, &r.zx, &r.zo, &r.relu, &out_addr, &out.size[0], &out.size[1],
+                          &w.n_pad, &w.out_channels, &r.zx, &r.zo, &r.relu, &r.qmax, &out_addr, &out.size[0], &out.size[1],
                           &out.size[2], &out.strides[0], &out.strides[1], &out.strides[2], &out.strides[3]))
         return NULL;
     int bad = x.dims[0] < 0 || x.dims[4] < 1 || w.in_channels != x.dims[4] || bad_gemm(&w, &r);

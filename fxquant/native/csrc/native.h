@@ -6,6 +6,7 @@
  *   elementwise.c quantize_f32, mean_u8, mul_u8, lookup_u8, copy_rows, quantize_rows_s8, rescale_rows
  *                 (fxquant/native/elementwise.py, fxquant/native/per_token.py)
  *   amx_gemm.c    conv_u8, linear_rows_u8: int8 GEMMs on AMX and AVX512-VNNI (fxquant/native/amx_gemm.py)
+ *   rows_avx2.c   linear_rows_u8 on AVX2 alone (CPUs without VNNI; the same wrapper)
  *   patches.c     patches_u8: a kernel == stride transposed conv on AVX512-VNNI and AMX (the same wrappers)
  *   weight_only.c weight_only_f32: a few-row float32 Linear on int8 weights (fxquant/native/weight_only.py)
  *   int8_rows.c   int8_rows_f32: a few-row per-token INT8 Linear on AVX512-VNNI (fxquant/native/per_token.py)
@@ -154,7 +155,7 @@ FXQ_INTERNAL void fxq_quantize_groups(const float *x, int64_t rows, int64_t widt
 FXQ_INTERNAL void fxq_rescale_rows(const int32_t *acc, int64_t rows, int64_t width, const float *row_scale,
                                    const float *col_scale, const float *bias, float *out);
 
-/* ---- amx_gemm.c and patches.c ---- */
+/* ---- amx_gemm.c, rows_avx2.c and patches.c ---- */
 
 /* Whether the cap and the CPU allow the AVX512-VNNI loops (linear_rows_u8, patches_u8), and AMX tiles (conv_u8; the
  * tiled part of patches_u8). amx_usable asks Linux for the tile state on its first call: call both with the GIL. */
@@ -171,10 +172,12 @@ typedef struct {
     int64_t in_channels, n_pad, out_channels;
 } GemmWeights;
 
-/* The input and output zero points, and a fused ReLU (a clamp at zo). */
+/* The input and output zero points, a fused ReLU (a clamp at zo), and the top of the output's range (255; 127 for
+ * 7-bit activations): the outputs saturate to [relu ? zo : 0, qmax]. */
 typedef struct {
     int64_t zx, zo;
     int relu;
+    int64_t qmax;
 } Requant;
 
 /* (N, D, H, W, C) bytes, channels at stride 1: strides of the (N, D, H, W) dimensions in bytes. */
@@ -226,6 +229,11 @@ FXQ_INTERNAL int fxq_conv_u8(const ConvInput *x, const ConvWindow *window, const
 /* Only where fxq_vnni_usable(). */
 FXQ_INTERNAL void fxq_linear_rows_u8(const ByteRows *x, int64_t rows, const GemmWeights *weights,
                                      const Requant *requant, const ByteRows *out);
+/* The same on AVX2 alone (rows_avx2.c): exact on 7-bit inputs, fbgemm's pairwise saturation on 8-bit ones. Only
+ * where fxq_avx2_usable(). */
+FXQ_INTERNAL int fxq_avx2_usable(void);
+FXQ_INTERNAL void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *weights,
+                                          const Requant *requant, const ByteRows *out);
 /* Only where fxq_vnni_usable(); amx: fxq_amx_usable(), read with the GIL. */
 FXQ_INTERNAL void fxq_patches_u8(const PatchInput *x, const PatchWeights *weights, const PatchRequant *requant,
                                  const PatchOutput *out, const int64_t kernel[2], int amx);

@@ -1,0 +1,113 @@
+/* linear_rows_u8_avx2: a Linear on a few rows as fbgemm computes it, on AVX2 alone - the few-row loop of CPUs without
+ * VNNI (amx_gemm.c has the VNNI one), where fbgemm's own kernel reads each weight byte for a single row through
+ * its general GEMM.
+ *
+ * vpmaddubsw sums each pair of u8*s8 products (inputs 2j, 2j + 1) in 16 bits, saturating, and vpmaddwd against ones
+ * sums those pairs in 32 bits: exact where the inputs are 7-bit (2 * 127 * 128 < 32767), as fxquant's fbgemm qparams
+ * are on such CPUs; fbgemm's AVX2 kernel pairs the same inputs with the same instructions, so on 8-bit inputs both
+ * saturate alike (tests/kernels/test_conv_native.py). Weights: the VNNI loop's layout, blocked by 64 output channels,
+ * (ceil(n_pad / 64), ceil(C / 4), 64, 4) int8, eight channels x four inputs per 32 bytes. A tile of R rows x G groups
+ * of eight channels (R * G <= 8 accumulators, of AVX2's sixteen registers) streams its weights once per R rows; the
+ * requantization is the VNNI loop's (conv_requantize), on eight channels. Arguments arrive checked (module.c), which
+ * asks fxq_avx2_usable first; runs without the GIL.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "native.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+
+#define TILE_ROWS 4
+#define TILE_GROUPS 8
+
+/* the VNNI loop's requantization of eight channels' sums at col, saturated to [relu ? zo : 0, qmax]; n stored */
+__attribute__((target("avx2"), always_inline)) static inline void requantize8(
+    const GemmWeights *w, const Requant *r, const __m256i acc, const int64_t col, uint8_t *dst, const int64_t n) {
+    const __m256i offset = _mm256_mullo_epi32(_mm256_set1_epi32((int)r->zx),
+                                              _mm256_loadu_si256((const __m256i *)(w->colsum + col)));
+    const __m256i sums = _mm256_add_epi32(_mm256_sub_epi32(acc, offset),
+                                          _mm256_loadu_si256((const __m256i *)(w->ibias + col)));
+    const __m256 f = _mm256_add_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(w->bias + col));
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(f, _mm256_loadu_ps(w->mult + col)));
+    const __m256i sum = _mm256_add_epi32(_mm256_min_epi32(q, _mm256_set1_epi32(32767)), _mm256_set1_epi32((int)r->zo));
+    const __m256i low = _mm256_set1_epi32(r->relu ? (int)r->zo : 0);
+    const __m256i bytes = _mm256_min_epi32(_mm256_max_epi32(sum, low), _mm256_set1_epi32((int)r->qmax));
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+    const __m128i packed = _mm_packus_epi16(words, words);
+    if (n >= 8) {
+        _mm_storel_epi64((__m128i *)dst, packed);
+    } else {
+        uint8_t tail[16];
+        _mm_storeu_si128((__m128i *)tail, packed);
+        memcpy(dst, tail, (size_t)n);
+    }
+}
+
+/* rows x groups * 8 output channels from col0 (a multiple of 8 * groups; whole 64-channel blocks hold weights, so
+ * groups past n_pad sum zeros and are not stored) */
+__attribute__((target("avx2"), always_inline)) static inline void tile_avx2(
+    const GemmWeights *w, const Requant *r, const uint8_t *x, const int64_t xs, uint8_t *out, const int64_t os,
+    const int rows, const int groups, const int64_t col0) {
+    const int64_t k = w->in_channels, full = k / 4, tail = k % 4;
+    const int8_t *wt = w->w + (col0 / 64) * ((k + 3) / 4) * 256 + (col0 % 64) * 4;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[TILE_ROWS][TILE_GROUPS];
+    for (int i = 0; i < rows; i++)
+        for (int g = 0; g < groups; g++)
+            acc[i][g] = _mm256_setzero_si256();
+    for (int64_t kk = 0; kk < full + (tail != 0); kk++) {
+        __m256i b[TILE_GROUPS];
+        for (int g = 0; g < groups; g++)
+            b[g] = _mm256_loadu_si256((const __m256i *)(wt + kk * 256 + 32 * g));
+        for (int i = 0; i < rows; i++) {
+            int32_t four = 0;
+            if (kk < full)
+                memcpy(&four, x + i * xs + 4 * kk, 4);
+            else
+                for (int64_t j = 0; j < tail; j++)
+                    four |= (int32_t)x[i * xs + 4 * kk + j] << (8 * j);
+            const __m256i a = _mm256_set1_epi32(four);
+            for (int g = 0; g < groups; g++)
+                acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b[g]), ones));
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        const int64_t col = col0 + 8 * g;
+        if (col >= w->out_channels)
+            break;
+        for (int i = 0; i < rows; i++)
+            requantize8(w, r, acc[i][g], col, out + i * os + col, w->out_channels - col);
+    }
+}
+
+/* R rows at a time, over the channels in steps of G groups of eight */
+#define ROWS_AVX2(R, G)                                                                                  \
+    case R:                                                                                              \
+        for (int64_t col0 = 0; col0 < w->n_pad; col0 += 8 * (G))                                         \
+            tile_avx2(w, r, x->data + row0 * x->stride, x->stride, out->data + row0 * out->stride,       \
+                      out->stride, R, G, col0);                                                          \
+        break;
+
+__attribute__((target("avx2"))) void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w,
+                                                              const Requant *r, const ByteRows *out) {
+    for (int64_t row0 = 0; row0 < rows; row0 += TILE_ROWS) {
+        switch (rows - row0 < TILE_ROWS ? (int)(rows - row0) : TILE_ROWS) {
+            ROWS_AVX2(1, 8) ROWS_AVX2(2, 2) ROWS_AVX2(3, 2) ROWS_AVX2(4, 2)
+        }
+    }
+}
+
+int fxq_avx2_usable(void) { return __builtin_cpu_supports("avx2"); }
+
+#else /* no x86-64 GNU C: module.c asks fxq_avx2_usable first and never calls the kernel */
+
+void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w, const Requant *r,
+                             const ByteRows *out) {
+    (void)x; (void)rows; (void)w; (void)r; (void)out;
+}
+
+int fxq_avx2_usable(void) { return 0; }
+
+#endif
