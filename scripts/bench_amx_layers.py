@@ -6,7 +6,7 @@ packed weight without it (the engine's op), interleaved in one :func:`fxquant.re
 the ratio holds on a noisy machine. The loops run on one thread, and only up to ``native.THREAD_LIMITS`` threads;
 ``--threads`` sets the engines' threads. Convs need AMX (skipped without it); Linears take AMX tiles from 16 rows and
 2**20 multiply-adds and the VNNI row loop below, or with VNNI but no AMX the row loop where ``NativeConv.takes``
-says. Tables: ``docs/amx.md``.
+says; with AVX2 alone, fbgemm's Linears take the AVX2 row loop below 16 rows. Tables: ``docs/amx.md``.
 
     python scripts/bench_amx_layers.py [--threads N] [--budget SECONDS]
 """
@@ -23,7 +23,8 @@ import torch
 from fxquant import native
 from fxquant.kernels.base import Backend, ConvSpec
 from fxquant.kernels.registry import available_backends, get_backend
-from fxquant.native.isa import cpu_model, has_amx_int8, has_vnni, isa_level
+from fxquant.kernels.torch_engines.amx_conv import NativeConv
+from fxquant.native.isa import cpu_model, has_amx_int8, has_avx2, isa_level
 from fxquant.qparams import INT8_RANGE, UINT8_RANGE, QParams
 from fxquant.report.latency import measure_latency
 
@@ -31,8 +32,9 @@ from fxquant.report.latency import measure_latency
 CONVS = [(3, 16, 64, 3, 1, 1, "U-Net stem"), (3, 16, 64, 3, 1, 8, ""), (32, 16, 64, 3, 1, 8, "U-Net decoder"),
          (64, 64, 16, 3, 1, 8, ""), (3, 64, 224, 7, 2, 1, "ResNet stem"), (64, 64, 56, 3, 1, 1, ""),
          (64, 64, 56, 3, 1, 8, ""), (256, 256, 14, 3, 1, 1, ""), (64, 128, 56, 1, 2, 1, ""), (16, 16, 8, 3, 1, 1, "")]
-LINEARS = [(784, 256, 1), (784, 256, 8), (1024, 1024, 1), (1024, 1024, 4), (1024, 1024, 8), (1024, 1024, 16),
-           (768, 3072, 4), (768, 3072, 8), (768, 768, 128), (768, 3072, 128), (256, 10, 8), (256, 10, 128)]
+LINEARS = [(784, 256, 1), (784, 256, 8), (1024, 1024, 1), (1024, 1024, 2), (1024, 1024, 3), (1024, 1024, 4),
+           (1024, 1024, 8), (1024, 1024, 16), (768, 3072, 2), (768, 3072, 4), (768, 3072, 8), (768, 768, 128),
+           (768, 3072, 128), (256, 10, 8), (256, 10, 128)]
 IN_QP = QParams(torch.tensor(0.02), torch.tensor(10), *UINT8_RANGE)
 OUT_QP = QParams(torch.tensor(0.3), torch.tensor(100), *UINT8_RANGE)
 
@@ -73,11 +75,15 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=2.0, help="seconds of timing per row")
     parser.add_argument("--ignore-thread-limits", action="store_true",
                         help="run the loops at any thread count (the measurement behind native.THREAD_LIMITS)")
+    parser.add_argument("--ignore-size-limits", action="store_true",
+                        help="run the loops at every size (the measurement behind NativeConv.takes)")
     args = parser.parse_args()
     if args.ignore_thread_limits:
         native.THREAD_LIMITS.update(dict.fromkeys(native.THREAD_LIMITS, 1 << 16))
-    if not has_vnni():
-        raise SystemExit("this CPU has no AVX512-VNNI: fxquant keeps the engines' kernels, nothing to compare")
+    if args.ignore_size_limits:
+        NativeConv.takes = lambda self, positions: True  # type: ignore[method-assign]
+    if not has_avx2():
+        raise SystemExit("this CPU has no AVX2: fxquant keeps the engines' kernels, nothing to compare")
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     print(f"{cpu_model()}, ISA {isa_level()}; a ratio near 1.00 means both columns ran the engine's kernel")
@@ -93,11 +99,12 @@ def main() -> None:
 
 
 def _linear_path(backend: Backend, k: int, n: int, rows: int) -> str:
-    """What the backend runs for this Linear at this thread count: AMX tiles, the VNNI row loop or the engine."""
+    """What the backend runs for this Linear at this thread count: AMX tiles, the VNNI or AVX2 row loop, or the
+    engine."""
     loop = backend.prepack_linear(torch.ones(n, k, dtype=torch.int8), _weight_qp(n), None, in_qp=IN_QP).payload[1]
     if loop is None or not loop.takes(rows) or not native.available(loop.family):
         return "engine"
-    return "tiles" if loop.tiled(rows) else "VNNI rows"
+    return "tiles" if loop.tiled(rows) else ("VNNI rows" if loop.vnni else "AVX2 rows")
 
 
 def _convs(backend: Backend, engine: str, args: argparse.Namespace) -> None:

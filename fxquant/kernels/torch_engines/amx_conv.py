@@ -65,16 +65,21 @@ class NativeConv:
         their kernel below 2**17 multiply-adds, where the loop's fixed cost per call dominates. A Linear takes the
         tiles from 16 rows and 2**20 multiply-adds and the VNNI row loop below that, where 16-row tiles would be
         mostly empty. On a CPU with VNNI but no AMX the row loop runs below 16 rows (fbgemm's: below 8 rows or
-        2**22 multiply-adds) and the engine's kernel above; with AVX2 alone, below 16 rows."""
+        2**22 multiply-adds) and the engine's kernel above; with AVX2 alone (fbgemm's Linears), below 8 rows."""
+        if self.linear and not self.vnni:
+            return positions < 8  # even with fbgemm's AVX2 kernel from 4 rows, faster below (docs/amx.md)
         if self.linear:
             few = positions < 8 or self.macs(positions) < 1 << 22  # fbgemm's VNNI kernel wins above (docs/amx.md)
-            return self.tiles or (positions < 16 and (self.engine == "qnnpack" or not self.vnni or few))
+            return self.tiles or (positions < 16 and (self.engine == "qnnpack" or few))
         return self.tiles and (self.engine != "qnnpack" or self.macs(positions) >= 1 << 17)
 
     @property
     def family(self) -> str:
-        """Its loop family in the thread rule (``native.THREAD_LIMITS``)."""
-        return f"{self.engine}_linear" if self.linear else "conv"
+        """Its loop family in the thread rule (``native.THREAD_LIMITS``): the AVX2 row loop splits its channels over
+        torch's threads, the others run on one."""
+        if not self.linear:
+            return "conv"
+        return f"{self.engine}_linear" if self.vnni else "avx2_linear"
 
     def tiled(self, positions: int) -> bool:
         """Whether :meth:`takes` means the AMX tiles (else, for a Linear, the row loop)."""
@@ -171,12 +176,13 @@ def run_linear(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, 
     if loop is None or a.dim() < 2 or not a.shape[-1] or not loop.takes(a.numel() // a.shape[-1]) \
             or not a.is_contiguous() or not native.available(loop.family) or torch.jit.is_tracing():
         return None
-    rows = a.reshape(-1, a.shape[-1])
+    flat = a.dim() == 2  # no reshapes then: each costs microseconds per call, on a call of a few tens
+    rows = a if flat else a.reshape(-1, a.shape[-1])
     if loop.tiled(rows.shape[0]):  # AMX tiles: the rows as the positions of a 1-d conv
         tiles = run_conv(rows.t().unsqueeze(0), loop, scale, zp, relu, qmax)
         return None if tiles is None else tiles[0].t().reshape(*a.shape[:-1], loop.out_channels)
     out = _run_rows(rows, loop, scale, zp, relu, qmax)
-    return None if out is None else out.reshape(*a.shape[:-1], loop.out_channels)
+    return out if out is None or flat else out.reshape(*a.shape[:-1], loop.out_channels)
 
 
 def _run_rows(rows: torch.Tensor, loop: NativeConv, scale: float, zp: int, relu: bool,

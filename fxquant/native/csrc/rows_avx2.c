@@ -6,10 +6,11 @@
  * sums those pairs in 32 bits: exact where the inputs are 7-bit (2 * 127 * 128 < 32767), as fxquant's fbgemm qparams
  * are on such CPUs; fbgemm's AVX2 kernel pairs the same inputs with the same instructions, so on 8-bit inputs both
  * saturate alike (tests/kernels/test_conv_native.py). Weights: the VNNI loop's layout, blocked by 64 output channels,
- * (ceil(n_pad / 64), ceil(C / 4), 64, 4) int8, eight channels x four inputs per 32 bytes. A tile of R rows x G groups
- * of eight channels (R * G <= 8 accumulators, of AVX2's sixteen registers) streams its weights once per R rows; the
- * requantization is the VNNI loop's (conv_requantize), on eight channels. Arguments arrive checked (module.c), which
- * asks fxq_avx2_usable first; runs without the GIL.
+ * (ceil(n_pad / 64), ceil(C / 4), 64, 4) int8, eight channels x four inputs per 32 bytes. One row against one block
+ * sums in eight accumulators (of AVX2's sixteen registers), the block's bytes read in order: tiles of several rows
+ * x fewer channels read the block in strides, which measured slower once other layers had evicted it from the
+ * caches (docs/amx.md). The requantization is the VNNI loop's (conv_requantize), on eight channels. Arguments arrive
+ * checked (module.c), which asks fxq_avx2_usable first; runs without the GIL.
  */
 #include <stdint.h>
 #include <string.h>
@@ -19,8 +20,7 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
-#define TILE_ROWS 4
-#define TILE_GROUPS 8
+#define GROUPS 8 /* of eight output channels: a 64-channel block */
 
 /* the VNNI loop's requantization of eight channels' sums at col, saturated to [relu ? zo : 0, qmax]; n stored */
 __attribute__((target("avx2"), always_inline)) static inline void requantize8(
@@ -45,58 +45,43 @@ __attribute__((target("avx2"), always_inline)) static inline void requantize8(
     }
 }
 
-/* rows x groups * 8 output channels from col0 (a multiple of 8 * groups; whole 64-channel blocks hold weights, so
- * groups past n_pad sum zeros and are not stored) */
-__attribute__((target("avx2"), always_inline)) static inline void tile_avx2(
-    const GemmWeights *w, const Requant *r, const uint8_t *x, const int64_t xs, uint8_t *out, const int64_t os,
-    const int rows, const int groups, const int64_t col0) {
+/* One row against one block of 64 output channels from col0: eight groups of eight in eight accumulators, the
+ * block's 256 bytes per four inputs read in order */
+__attribute__((target("avx2"), always_inline)) static inline void row_block(
+    const GemmWeights *w, const Requant *r, const uint8_t *x, uint8_t *out, const int64_t col0) {
     const int64_t k = w->in_channels, full = k / 4, tail = k % 4;
-    const int8_t *wt = w->w + (col0 / 64) * ((k + 3) / 4) * 256 + (col0 % 64) * 4;
+    const int8_t *wt = w->w + (col0 / 64) * ((k + 3) / 4) * 256;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[TILE_ROWS][TILE_GROUPS];
-    for (int i = 0; i < rows; i++)
-        for (int g = 0; g < groups; g++)
-            acc[i][g] = _mm256_setzero_si256();
+    __m256i acc[GROUPS];
+    for (int g = 0; g < GROUPS; g++)
+        acc[g] = _mm256_setzero_si256();
     for (int64_t kk = 0; kk < full + (tail != 0); kk++) {
-        __m256i b[TILE_GROUPS];
-        for (int g = 0; g < groups; g++)
-            b[g] = _mm256_loadu_si256((const __m256i *)(wt + kk * 256 + 32 * g));
-        for (int i = 0; i < rows; i++) {
-            int32_t four = 0;
-            if (kk < full)
-                memcpy(&four, x + i * xs + 4 * kk, 4);
-            else
-                for (int64_t j = 0; j < tail; j++)
-                    four |= (int32_t)x[i * xs + 4 * kk + j] << (8 * j);
-            const __m256i a = _mm256_set1_epi32(four);
-            for (int g = 0; g < groups; g++)
-                acc[i][g] = _mm256_add_epi32(acc[i][g], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b[g]), ones));
+        int32_t four = 0;
+        if (kk < full)
+            memcpy(&four, x + 4 * kk, 4);
+        else
+            for (int64_t j = 0; j < tail; j++)
+                four |= (int32_t)x[4 * kk + j] << (8 * j);
+        const __m256i a = _mm256_set1_epi32(four);
+        for (int g = 0; g < GROUPS; g++) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(wt + kk * 256 + 32 * g));
+            acc[g] = _mm256_add_epi32(acc[g], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
         }
     }
-    for (int g = 0; g < groups; g++) {
-        const int64_t col = col0 + 8 * g;
-        if (col >= w->out_channels)
-            break;
-        for (int i = 0; i < rows; i++)
-            requantize8(w, r, acc[i][g], col, out + i * os + col, w->out_channels - col);
-    }
+    for (int g = 0; g < GROUPS && col0 + 8 * g < w->out_channels; g++)  /* groups past C_out summed zeros */
+        requantize8(w, r, acc[g], col0 + 8 * g, out + col0 + 8 * g, w->out_channels - col0 - 8 * g);
 }
 
-/* R rows at a time, over the channels in steps of G groups of eight */
-#define ROWS_AVX2(R, G)                                                                                  \
-    case R:                                                                                              \
-        for (int64_t col0 = 0; col0 < w->n_pad; col0 += 8 * (G))                                         \
-            tile_avx2(w, r, x->data + row0 * x->stride, x->stride, out->data + row0 * out->stride,       \
-                      out->stride, R, G, col0);                                                          \
-        break;
-
+/* The 64-channel blocks split over torch's threads (each output is one thread's, summed in one order: the bytes do
+ * not depend on the thread count), each row in turn against a block: its weights stream from memory in order for
+ * the first row and stay in L2 for the next. */
 __attribute__((target("avx2"))) void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w,
                                                               const Requant *r, const ByteRows *out) {
-    for (int64_t row0 = 0; row0 < rows; row0 += TILE_ROWS) {
-        switch (rows - row0 < TILE_ROWS ? (int)(rows - row0) : TILE_ROWS) {
-            ROWS_AVX2(1, 8) ROWS_AVX2(2, 2) ROWS_AVX2(3, 2) ROWS_AVX2(4, 2)
-        }
-    }
+    const int64_t blocks = (w->n_pad + 63) / 64;
+    FXQ_PARALLEL_FOR(w->n_pad * w->in_channels >= FXQ_PARALLEL_WORK)
+    for (int64_t block = 0; block < blocks; block++)
+        for (int64_t row = 0; row < rows; row++)
+            row_block(w, r, x->data + row * x->stride, out->data + row * out->stride, 64 * block);
 }
 
 int fxq_avx2_usable(void) { return __builtin_cpu_supports("avx2"); }
