@@ -148,7 +148,8 @@ def run_conv(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, re
     if loop is None:
         return None
     spec = loop.spec
-    if not native.available(loop.family) or torch.jit.is_tracing() or not is_quint8(a) or a.dim() != spec.dim + 2:
+    if not native.available(loop.family) or torch.jit.is_tracing() or not is_quint8(a) or a.dim() != spec.dim + 2 \
+            or a.shape[1] != loop.in_channels:
         return None
     kernel = loop.kernel[3 - spec.dim:]
     size = [(a.shape[2 + i] + 2 * spec.padding[i] - kernel[i]) // spec.stride[i] + 1 for i in range(spec.dim)]
@@ -169,11 +170,12 @@ def run_conv(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, re
 def run_linear(a: torch.Tensor, loop: NativeConv | None, scale: float, zp: int, relu: bool,
                qmax: int) -> torch.Tensor | None:
     """A Linear on the rows of a contiguous ``a`` by a C loop (the engine's results, saturated to ``qmax``), or
-    None: no loop for this layer, an input the loop does not read (fewer than two dims, no features, not contiguous),
-    no C loops in this process, a traced export, or a size where the engine's kernel is faster
+    None: no loop for this layer, an input the loop does not read (fewer than two dims, not ``in_channels`` wide, not
+    contiguous), no C loops in this process, a traced export, or a size where the engine's kernel is faster
     (:meth:`NativeConv.takes`)."""
-    # the size rule first: it is what declines most calls (fbgemm's kernel above a few rows), in plain integers
-    if loop is None or a.dim() < 2 or not a.shape[-1] or not loop.takes(a.numel() // a.shape[-1]) \
+    # the size rule first: it is what declines most calls (fbgemm's kernel above a few rows), in plain integers; an
+    # input of the wrong width goes to the engine's op, which says so
+    if loop is None or a.dim() < 2 or a.shape[-1] != loop.in_channels or not loop.takes(a.numel() // a.shape[-1]) \
             or not a.is_contiguous() or not native.available(loop.family) or torch.jit.is_tracing():
         return None
     flat = a.dim() == 2  # no reshapes then: each costs microseconds per call, on a call of a few tens
