@@ -181,12 +181,12 @@ def test_the_linear_loop_gives_the_engines_bits(shape: tuple[int, ...], out_feat
 def _linear_path(rows: int, macs: int, engine: str) -> str | None:
     """Which loop a Linear takes, as docs/amx.md states the measured rule: with AMX, tiles from 16 rows and 2**20
     multiply-adds and the VNNI row loop below; with VNNI only, the row loop below 16 rows (fbgemm: below 8 rows or
-    2**22 multiply-adds); with AVX2 alone, fbgemm's below 8 rows; else None (the engine's Linear)."""
+    2**22 multiply-adds); with AVX2 alone, fbgemm's within the same limits; else None (the engine's Linear)."""
     if CONV_LOOP:
         return "conv_into" if rows >= 16 and macs >= 1 << 20 else "linear_rows_into"
     if ROW_LOOP and rows < 16 and (engine == "qnnpack" or rows < 8 or macs < 1 << 22):
         return "linear_rows_into"
-    if AVX2_ROWS and rows < 8 and engine == "fbgemm":
+    if AVX2_ROWS and rows < 16 and engine == "fbgemm" and (rows < 8 or macs < 1 << 22):
         return "linear_rows_into"
     return None
 
@@ -269,18 +269,19 @@ def test_without_amx_linears_take_the_row_loop_below_the_measured_limits() -> No
 
 
 @pytest.mark.skipif(not AVX2_ROWS, reason=f"the AVX2 rule applies where VNNI is not: {WHY_NOT}")
-def test_with_avx2_alone_fbgemm_linears_take_the_row_loop_below_8_rows() -> None:
+def test_with_avx2_alone_fbgemm_linears_take_the_row_loop_within_fbgemms_vnni_limits() -> None:
     """Its 16-bit pair sums are fbgemm's own (the same pairs saturate alike on 8-bit inputs, tested above), not
     qnnpack's exact ones: qnnpack keeps its kernel, and convs keep the engines' (docs/amx.md)."""
     gen = torch.Generator().manual_seed(0)
     rows = ConvSpec(1, (1,), (0,), (1,), 1, False, (0,))
+    small = native_conv(torch.ones(256, 512, 1, dtype=torch.int8), _weight_qp(256, gen), None, rows, linear=True)
     big = native_conv(torch.ones(1024, 1024, 1, dtype=torch.int8), _weight_qp(1024, gen), None, rows, linear=True)
     qbig = native_conv(torch.ones(1024, 1024, 1, dtype=torch.int8), _weight_qp(1024, gen), None, rows, linear=True,
                        engine="qnnpack")
     conv = native_conv(torch.ones(8, 8, 3, 3, dtype=torch.int8), _weight_qp(8, gen), None,
                        ConvSpec(2, (1, 1), (1, 1), (1, 1), 1, False, (0, 0)))
-    assert big is not None and qbig is None and conv is None and not big.vnni
-    assert big.takes(1) and big.takes(7) and not big.takes(8) and not big.tiled(4)
+    assert small is not None and big is not None and qbig is None and conv is None and not big.vnni
+    assert small.takes(15) and not small.takes(16) and big.takes(7) and not big.takes(8) and not big.tiled(4)
 
 
 class _SmallNet(nn.Module):

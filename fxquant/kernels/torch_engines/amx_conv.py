@@ -65,9 +65,8 @@ class NativeConv:
         their kernel below 2**17 multiply-adds, where the loop's fixed cost per call dominates. A Linear takes the
         tiles from 16 rows and 2**20 multiply-adds and the VNNI row loop below that, where 16-row tiles would be
         mostly empty. On a CPU with VNNI but no AMX the row loop runs below 16 rows (fbgemm's: below 8 rows or
-        2**22 multiply-adds) and the engine's kernel above; with AVX2 alone (fbgemm's Linears), below 8 rows."""
-        if self.linear and not self.vnni:
-            return positions < 8  # even with fbgemm's AVX2 kernel from 4 rows, faster below (docs/amx.md)
+        2**22 multiply-adds) and the engine's kernel above; with AVX2 alone, fbgemm's Linears within the same
+        limits."""
         if self.linear:
             few = positions < 8 or self.macs(positions) < 1 << 22  # fbgemm's VNNI kernel wins above (docs/amx.md)
             return self.tiles or (positions < 16 and (self.engine == "qnnpack" or few))
