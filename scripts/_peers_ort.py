@@ -78,7 +78,10 @@ def _where(exc: Exception) -> str:
 
 def session_options(threads: int, *, profile_prefix: str | None = None) -> Any:
     """``threads`` intra-op threads, one inter-op, sequential, every graph optimisation (ORT's fusions into QLinear*
-    kernels run at ``ORT_ENABLE_ALL``); ``profile_prefix``: write ORT's profile (a JSON trace) under that prefix."""
+    kernels run at ``ORT_ENABLE_ALL``), and intra-op threads that block instead of spinning when a call ends: spinning,
+    they held the second of two cores through the next candidate's call in an interleaved round (mlp at batch 8, two
+    threads: every other candidate 2.5x slower, ONNX Runtime itself 2.12 against 2.13 ms; docs/benchmarks.md,
+    "Method"); ``profile_prefix``: write ORT's profile (a JSON trace) under that prefix."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -86,6 +89,7 @@ def session_options(threads: int, *, profile_prefix: str | None = None) -> Any:
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
