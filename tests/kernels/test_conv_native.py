@@ -29,7 +29,7 @@ import fxquant
 from fxquant import native
 from fxquant.kernels.base import ConvSpec, PackedWeight
 from fxquant.kernels.registry import available_backends, get_backend
-from fxquant.kernels.torch_engines.amx_conv import native_conv
+from fxquant.kernels.torch_engines.amx_conv import NativeConv, native_conv
 from fxquant.native.isa import has_amx_int8, has_avx2, has_vnni, isa_level
 from fxquant.qparams import INT8_RANGE, REDUCED_UINT8_RANGE, UINT8_RANGE, QParams
 
@@ -253,8 +253,8 @@ def test_fxquant_native_0_turns_the_loops_off() -> None:
     assert out.stdout.strip() == "True"
 
 
-@pytest.mark.skipif(not ROW_LOOP or CONV_LOOP, reason=f"the VNNI-only rule applies where AMX is not: {WHY_NOT}")
-def test_without_amx_linears_take_the_row_loop_below_the_measured_limits() -> None:
+def _rule_layers() -> tuple[NativeConv | None, ...]:
+    """A small and a large fbgemm Linear, a large qnnpack Linear and a conv, as ``native_conv`` lays them out here."""
     gen = torch.Generator().manual_seed(0)
     rows = ConvSpec(1, (1,), (0,), (1,), 1, False, (0,))
     small = native_conv(torch.ones(256, 512, 1, dtype=torch.int8), _weight_qp(256, gen), None, rows, linear=True)
@@ -263,6 +263,12 @@ def test_without_amx_linears_take_the_row_loop_below_the_measured_limits() -> No
                        engine="qnnpack")
     conv = native_conv(torch.ones(8, 8, 3, 3, dtype=torch.int8), _weight_qp(8, gen), None,
                        ConvSpec(2, (1, 1), (1, 1), (1, 1), 1, False, (0, 0)))
+    return small, big, qbig, conv
+
+
+@pytest.mark.skipif(not ROW_LOOP or CONV_LOOP, reason=f"the VNNI-only rule applies where AMX is not: {WHY_NOT}")
+def test_without_amx_linears_take_the_row_loop_below_the_measured_limits() -> None:
+    small, big, qbig, conv = _rule_layers()
     assert small is not None and big is not None and qbig is not None and conv is None
     assert small.takes(8) and not small.takes(16) and not small.tiled(8)
     assert big.takes(4) and not big.takes(8) and qbig.takes(15) and not qbig.takes(16)
@@ -272,14 +278,7 @@ def test_without_amx_linears_take_the_row_loop_below_the_measured_limits() -> No
 def test_with_avx2_alone_fbgemm_linears_take_the_row_loop_within_fbgemms_vnni_limits() -> None:
     """Its 16-bit pair sums are fbgemm's own (the same pairs saturate alike on 8-bit inputs, tested above), not
     qnnpack's exact ones: qnnpack keeps its kernel, and convs keep the engines' (docs/amx.md)."""
-    gen = torch.Generator().manual_seed(0)
-    rows = ConvSpec(1, (1,), (0,), (1,), 1, False, (0,))
-    small = native_conv(torch.ones(256, 512, 1, dtype=torch.int8), _weight_qp(256, gen), None, rows, linear=True)
-    big = native_conv(torch.ones(1024, 1024, 1, dtype=torch.int8), _weight_qp(1024, gen), None, rows, linear=True)
-    qbig = native_conv(torch.ones(1024, 1024, 1, dtype=torch.int8), _weight_qp(1024, gen), None, rows, linear=True,
-                       engine="qnnpack")
-    conv = native_conv(torch.ones(8, 8, 3, 3, dtype=torch.int8), _weight_qp(8, gen), None,
-                       ConvSpec(2, (1, 1), (1, 1), (1, 1), 1, False, (0, 0)))
+    small, big, qbig, conv = _rule_layers()
     assert small is not None and big is not None and qbig is None and conv is None and not big.vnni
     assert small.takes(15) and not small.takes(16) and big.takes(7) and not big.takes(8) and not big.tiled(4)
 
