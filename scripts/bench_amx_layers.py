@@ -6,7 +6,7 @@ packed weight without it (the engine's op), interleaved in one :func:`fxquant.re
 the ratio holds on a noisy machine. The loops run on one thread, and only up to ``native.THREAD_LIMITS`` threads;
 ``--threads`` sets the engines' threads. Convs need AMX (skipped without it); Linears take AMX tiles from 16 rows and
 2**20 multiply-adds and the VNNI row loop below, or with VNNI but no AMX the row loop where ``NativeConv.takes``
-says; with AVX2 alone, fbgemm's Linears take the AVX2 row loop below 16 rows. Tables: ``docs/amx.md``.
+says; with AVX2 alone, fbgemm's Linears take the AVX2 row loop within the same limits. Tables: ``docs/amx.md``.
 
     python scripts/bench_amx_layers.py [--threads N] [--budget SECONDS]
 """

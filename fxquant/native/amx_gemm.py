@@ -142,8 +142,7 @@ def conv_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_s
     """A 1-, 2- or 3-d conv as fbgemm or qnnpack computes it, on AMX tiles (``conv_u8``): ``a`` (N, C, *size) and
     ``out`` (N, C_out, *out_size) with channels at stride 1; ``factors``: int32 bias, float bias and multiplier per
     channel; ``geometry``: kernel, stride and padding, one entry per spatial dimension; ``requant``: zero points,
-    ReLU and the output range's top. False where the process
-    cannot use AMX (nothing written)."""
+    ReLU and the output range's top. False where the process cannot use AMX (nothing written)."""
     assert loader.loops is not None and (a.stride(1) == 1 or a.shape[1] == 1) and out.stride(1) == 1
     missing = 5 - a.dim()  # as (N, D, H, W, C): a 2-d conv has depth 1, a 1-d conv height 1 too
 

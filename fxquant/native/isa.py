@@ -74,6 +74,12 @@ def has_avx2() -> bool:
     return _allows("avx2")
 
 
+def has_avx512_vnni() -> bool:
+    """AVX512-VNNI itself, which the C loops' VNNI forms need: a CPU with AVX-VNNI alone sums int8 exactly (so its
+    activations are 8-bit) but runs neither those loops nor, being a VNNI CPU, the AVX2 row loop."""
+    return _allows("vnni") and {"avx512_vnni", "avx512bw"} <= _cpu_flags()
+
+
 def has_avx512() -> bool:
     """AVX512F and BW: the byte loops (row copies, VBMI lookups) take 64 bytes a step."""
     return _allows("avx512")

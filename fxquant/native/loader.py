@@ -41,11 +41,10 @@ if loops is not None:
 
 # The thread rule. The loops here run on one thread (except the dynamic and weight-only Linears' few-row loops, the
 # AVX2 few-row Linear and the per-token quantize and rescale, which split their outputs over torch's OpenMP threads),
-# while the kernels
-# they replace (fbgemm's, qnnpack's, torch's element-wise ops) split their work across torch's intra-op threads. So
-# each family runs only up to the largest torch thread count at which it was measured faster than what it replaces,
-# and yields to that kernel above it, at any thread count (docs/amx.md "Threads" gives the measurements;
-# scripts/bench_amx_layers.py and scripts/bench_llm_layers.py --threads N).
+# while the kernels they replace (fbgemm's, qnnpack's, torch's element-wise ops) split their work across torch's
+# intra-op threads. So each family runs only up to the largest torch thread count at which it was measured faster
+# than what it replaces, and yields to that kernel above it, at any thread count (docs/amx.md "Threads" gives the
+# measurements; scripts/bench_amx_layers.py and scripts/bench_llm_layers.py --threads N).
 # The per-group dynamic Linear's loop has no engine kernel to yield to (its torch path is a float GEMM per group of
 # inputs, slower at any thread count): it runs at every count, its tiles split over all of torch's threads. So do
 # the attention loops: their work items (a head and 8 query rows each for the causal loop, dealt round robin; a

@@ -28,7 +28,7 @@ import torch
 from fxquant import native
 from fxquant.kernels.base import ConvSpec
 from fxquant.kernels.torch_engines.engine import empty_quantized, grid, int32_bias, is_quint8
-from fxquant.native.isa import has_amx_int8, has_avx2, has_vnni
+from fxquant.native.isa import has_amx_int8, has_avx2, has_avx512_vnni, has_vnni
 from fxquant.qparams import QParams
 
 Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int32 bias, float bias, float multiplier per channel
@@ -108,9 +108,10 @@ def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, 
                 engine: str = "fbgemm", linear: bool = False) -> NativeConv | None:
     """Lay out an int8 conv ``weight`` (C_out, C_in, *kernel) for the C loop, or None where the loop does not take
     it (grouped, dilated or transposed, weights per tensor or with zero points, no C extension, a conv without AMX,
-    a Linear without VNNI or, for fbgemm, AVX2)."""
-    tiles, vnni = has_amx_int8(), has_vnni()
-    row_loop = linear and (vnni or (engine == "fbgemm" and has_avx2()))
+    a Linear without AVX512-VNNI or, for fbgemm on a CPU without VNNI, AVX2)."""
+    tiles, vnni = has_amx_int8(), has_avx512_vnni()
+    # the AVX2 loop only where activations are 7-bit: exact there, as every fbgemm kernel is
+    row_loop = linear and (vnni or (engine == "fbgemm" and not has_vnni() and has_avx2()))
     if (native.loops is None or not (tiles or row_loop) or spec.groups != 1 or spec.transposed
             or any(d != 1 for d in spec.dilation) or w_qp.axis != 0 or bool(w_qp.zero_point.ne(0).any())):
         return None

@@ -263,7 +263,8 @@ static PyObject *conv_u8(PyObject *self, PyObject *args) {
                           &x.strides[2], &x.strides[3], &win.kernel[0], &win.kernel[1], &win.kernel[2],
                           &win.stride[0], &win.stride[1], &win.stride[2], &win.padding[0], &win.padding[1],
                           &win.padding[2], &addr[0], &addr[1], &addr[2], &addr[3], &addr[4], &w.in_channels,
-                          &w.n_pad, &w.out_channels, &r.zx, &r.zo, &r.relu, &r.qmax, &out_addr, &out.size[0], &out.size[1],
+                          &w.n_pad, &w.out_channels, &r.zx, &r.zo, &r.relu, &r.qmax, &out_addr, &out.size[0],
+                          &out.size[1],
                           &out.size[2], &out.strides[0], &out.strides[1], &out.strides[2], &out.strides[3]))
         return NULL;
     int bad = x.dims[0] < 0 || x.dims[4] < 1 || w.in_channels != x.dims[4] || bad_gemm(&w, &r);
