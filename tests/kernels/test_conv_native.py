@@ -283,6 +283,19 @@ def test_with_avx2_alone_fbgemm_linears_take_the_row_loop_within_fbgemms_vnni_li
     assert small.takes(15) and not small.takes(16) and big.takes(7) and not big.takes(8) and not big.tiled(4)
 
 
+@pytest.mark.skipif(native.loops is None, reason="no C extension in this install")
+def test_a_cpu_with_avx_vnni_alone_runs_neither_row_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Intel's client cores: int8 sums are exact, so activations are 8-bit, which the AVX2 loop's 16-bit pair sums
+    would saturate where qnnpack's kernel does not; and the VNNI loop needs AVX512-VNNI itself."""
+    from fxquant.kernels.torch_engines import amx_conv
+
+    monkeypatch.setattr(amx_conv, "has_amx_int8", lambda: False)
+    monkeypatch.setattr(amx_conv, "has_vnni", lambda: True)
+    monkeypatch.setattr(amx_conv, "has_avx512_vnni", lambda: False)
+    monkeypatch.setattr(amx_conv, "has_avx2", lambda: True)
+    assert _rule_layers() == (None, None, None, None)
+
+
 class _SmallNet(nn.Module):
     """Convs, a SiLU and Linears (the AMX and VNNI loops' layers), and a channel concat of two INT8 branches: its row
     copies (``native.concat``) run on every backend and ISA level, so at one thread some loop always runs."""
