@@ -132,8 +132,8 @@ def test_strided_inputs_no_bias_and_zero_points_at_the_ends(layout: str, bias: b
 
 
 # (input shape, out features): AMX tiles (16+ rows, 2**20+ multiply-adds), the VNNI row loop (fewer rows, a tiny
-# layer), a 3-d input, C_out not a multiple of 16, C_in not a multiple of 4; the AVX2 loop's tiles of 1-4 rows
-# (7 rows: 4 + 3), a C_out that ends inside a 64-channel block and 8 past a 16-channel one
+# layer), a 3-d input, C_out not a multiple of 16, C_in not a multiple of 4; for the AVX2 loop (one row at a time
+# against each 64-channel block) 2, 3 and 7 rows, a C_out that ends inside a block and 8 past a 16-channel one
 LINEARS = [((64, 256), 128), ((40, 96), 48), ((3, 7, 64), 17), ((128, 256), 10), ((4, 1024), 64), ((1, 784), 256),
            ((5, 33), 20), ((2, 130), 70), ((7, 61), 136), ((3, 1000), 33)]
 
