@@ -35,7 +35,10 @@ def main_cli(*args: str) -> Outcome:
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["--quiet", *args])
+        try:
+            code = main(["--quiet", *args])
+        except SystemExit as exc:  # argparse's usage errors exit 2, as the command does
+            code = exc.code if isinstance(exc.code, int) else 1
     return Outcome(code, out.getvalue(), err.getvalue())
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from cli_testing import error_line, run_cli, snapshot
+from cli_testing import error_line, main_cli, run_cli, snapshot
 
 from fxquant.cli.convert import EXIT_BUDGET_MISSED
 from fxquant.models.digits import DigitsCNN, load_digits_splits
@@ -47,7 +47,7 @@ def _calibrated_run(root: Path, name: str) -> Path:
                   "--config", str(root / "per_tensor.json"), "--example-inputs", "1x1x8x8", "-o", str(run)),
                  ("calibrate", str(run), "--data", str(root / "calib.npz"), "--columns", "images",
                   "--batch-size", "60")):
-        result = run_cli("--quiet", *args)
+        result = main_cli(*args)
         assert result.returncode == 0, result.stderr
     return run
 
@@ -59,7 +59,7 @@ def _budget_args(root: Path, run: Path, points: str, *extra: str) -> tuple[str, 
 
 def _report_drop_points(root: Path, run: Path) -> float:
     out = root / f"{run.name}-report.json"
-    result = run_cli("--quiet", "report", str(run), "--data", str(root / "test.npz"), "--columns", "images,labels",
+    result = main_cli("report", str(run), "--data", str(root / "test.npz"), "--columns", "images,labels",
                      "--format", "json", "-o", str(out), "--latency-budget", "0.2", "--threads", "1")
     assert result.returncode == 0, result.stderr
     accuracy = json.loads(out.read_text())["accuracy"]
@@ -102,7 +102,7 @@ def _plain_int8_drop(root: Path) -> float:
 
 def test_budget_missed_writes_the_closest_model_and_exits_3(budget_setup: Path) -> None:
     run = _calibrated_run(budget_setup, "missed")
-    result = run_cli(*_budget_args(budget_setup, run, "0", "--max-trials", "1"))
+    result = main_cli(*_budget_args(budget_setup, run, "0", "--max-trials", "1"))
     assert result.returncode == EXIT_BUDGET_MISSED == 3, result.stderr
     assert "budget NOT met" in result.stdout, result.stdout
     manifest = json.loads((run / "manifest.json").read_text())
@@ -133,7 +133,7 @@ def test_bad_budget_input_is_one_line_and_leaves_the_run(budget_setup: Path, ext
     if not run.exists():  # one calibrated run serves every case: each must leave it unchanged
         _calibrated_run(budget_setup, "bad")
     before = snapshot(run)
-    outcome = run_cli("--quiet", "convert", str(run), *extra)
+    outcome = main_cli("convert", str(run), *extra)
     assert outcome.returncode == 2, outcome.stderr
     assert needle in error_line(outcome, "convert")
     # one error line; auto lowering for fbgemm may precede it with the once-per-process deprecation note (a warning)
@@ -151,7 +151,7 @@ def test_bad_metric_subprocess_exits_2(budget_setup: Path) -> None:
 
 def test_auto_backend_times_kernels_on_the_given_deployment_batch(budget_setup: Path) -> None:
     run = _calibrated_run(budget_setup, "auto")
-    result = run_cli("--json", "convert", str(run), "--backend", "auto", "--example-inputs", "32x1x8x8")
+    result = main_cli("--json", "convert", str(run), "--backend", "auto", "--example-inputs", "32x1x8x8")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["backend"] == "auto"
     # the per-layer choices go into RUN_DIR, so `fxquant report` rebuilds the same model instead of timing again
@@ -167,7 +167,7 @@ def test_eval_batches_the_model_cannot_take_are_one_line(budget_setup: Path) -> 
     run = _calibrated_run(budget_setup, "swapped")
     before = snapshot(run)
     args = [a if a != "images,labels" else "labels,images" for a in _budget_args(budget_setup, run, "0.5")]
-    outcome = run_cli(*args)
+    outcome = main_cli(*args)
     assert outcome.returncode == 2, outcome.stderr
     assert "evaluation batch 0 does not fit the evaluated model" in error_line(outcome, "convert")
     assert [line for line in outcome.stderr.strip().splitlines() if not line.startswith("note: ")] == \
@@ -180,7 +180,7 @@ def test_scheme_fallback_with_a_relative_budget_is_recorded_and_reported(budget_
     chosen schemes and every trial, and fxquant report, rebuilding the run, shows the same trials."""
     run = _calibrated_run(budget_setup, "schemes")
     args = [a if a != "--max-accuracy-drop" else "--max-relative-drop" for a in _budget_args(budget_setup, run, "1")]
-    result = run_cli(*args, "--fallback", "weight_only", "--max-trials", "4")
+    result = main_cli(*args, "--fallback", "weight_only", "--max-trials", "4")
     assert result.returncode in (0, EXIT_BUDGET_MISSED), result.stderr
     assert "| # | step | layers on weight_only |" in result.stdout and "(1% of the float metric)" in result.stdout
     manifest = json.loads((run / "manifest.json").read_text())
@@ -192,7 +192,7 @@ def test_scheme_fallback_with_a_relative_budget_is_recorded_and_reported(budget_
     assert manifest["schemes"] == dict.fromkeys(chosen, "weight_only") and not manifest["config"]["exclude"]
     assert (result.returncode == 0) == entry["met_budget"]
     out = budget_setup / "schemes-report.json"
-    report = run_cli("--quiet", "report", str(run), "--data", str(budget_setup / "test.npz"), "--columns",
+    report = main_cli("report", str(run), "--data", str(budget_setup / "test.npz"), "--columns",
                      "images,labels", "--format", "json", "-o", str(out), "--latency-budget", "0.2", "--threads", "1")
     assert report.returncode == 0, report.stderr
     assert json.loads(out.read_text())["budget_search"] == search
@@ -228,7 +228,7 @@ def test_a_perplexity_budget_reads_the_metric_as_lower_is_better(tiny_lm: Path) 
                   str(run)),
                  ("calibrate", str(run), "--data", str(tiny_lm / "calib.txt"), "--seq-len", "32", "--batch-size",
                   "1", "--batches", "4")):
-        result = run_cli("--quiet", *args)
+        result = main_cli(*args)
         assert result.returncode == 0, result.stderr
     result = run_cli("--quiet", "convert", str(run), "--metric", "perplexity", "--max-relative-drop", "0",
                      "--scheme", "*=dynamic", "--fallback", "weight_only", "--granularity", "kind", "--max-trials",
