@@ -57,11 +57,12 @@ def _qkv(heads: int = 4, kv_heads: int = 4, q_tokens: int = 19, kv_tokens: int =
     return q, k, v
 
 
+_MASKS = torch.Generator().manual_seed(0)  # made at import: seeded, the same masks in every process
 CASES = {
     "plain": ({}, {}),
     "scaled": ({}, {"scale": 0.3}),
-    "bool_mask": ({}, {"attn_mask": torch.rand(2, 1, 1, 19) > 0.3}),
-    "float_mask_3d": ({}, {"attn_mask": torch.randn(4, 19, 19)}),
+    "bool_mask": ({}, {"attn_mask": torch.rand(2, 1, 1, 19, generator=_MASKS) > 0.3}),
+    "float_mask_3d": ({}, {"attn_mask": torch.randn(4, 19, 19, generator=_MASKS)}),
     "causal": ({}, {"is_causal": True}),
     "cross": ({"q_tokens": 7, "kv_tokens": 40}, {}),
     "grouped": ({"kv_heads": 2}, {"enable_gqa": True}),
