@@ -91,7 +91,7 @@ CASES = {
 # tie; 2.0 steps at 1 of 18432 values was measured, the QDQ form's own eager run too), sigmoid's slope doubles it.
 # silu_lookup chains three int8 ops: ORT's first conv rounds 1 in ~1000 bytes one step from fbgemm's (16 of 18432),
 # the table's slope (its input step / output step x SiLU') makes that 2 table steps, and the 1x1 conv carries them
-# to its output: 2.0 steps at 1 of 9216 outputs, for 1 of 50 seeds of a conv that drew it (tests run seed 0)
+# to its output: 2.0 steps at 1 of 9216 outputs, in 1 of 51 seeds tried with one conv (tests run seed 0)
 EXTRA_STEPS = {"sigmoid": 1, "silu_lookup": 1}
 
 TOKENS = 32
