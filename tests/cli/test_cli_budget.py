@@ -167,7 +167,7 @@ def test_eval_batches_the_model_cannot_take_are_one_line(budget_setup: Path) -> 
     run = _calibrated_run(budget_setup, "swapped")
     before = snapshot(run)
     args = [a if a != "images,labels" else "labels,images" for a in _budget_args(budget_setup, run, "0.5")]
-    outcome = main_cli(*args)
+    outcome = run_cli(*args)  # the real stderr: an error mid-search must still be its only line
     assert outcome.returncode == 2, outcome.stderr
     assert "evaluation batch 0 does not fit the evaluated model" in error_line(outcome, "convert")
     assert [line for line in outcome.stderr.strip().splitlines() if not line.startswith("note: ")] == \
