@@ -6,7 +6,9 @@ packed weight without it (the engine's op), interleaved in one :func:`fxquant.re
 the ratio holds on a noisy machine. The loops run on one thread, and only up to ``native.THREAD_LIMITS`` threads;
 ``--threads`` sets the engines' threads. Convs need AMX (skipped without it); Linears take AMX tiles from 16 rows and
 2**20 multiply-adds and the VNNI row loop below, or with VNNI but no AMX the row loop where ``NativeConv.takes``
-says; with AVX2 alone, fbgemm's Linears take the AVX2 row loop within the same limits. Tables: ``docs/amx.md``.
+says; with AVX2 alone, fbgemm's Linears take the AVX2 row loop within the same limits, and so do the onednn
+backend's below ``fxquant.kernels.onednn.rows.ROW_LIMIT`` rows (against oneDNN's matmul primitive, which fxquant
+builds for the same layer). Tables: ``docs/amx.md`` and, for onednn, ``docs/backends.md``.
 
     python scripts/bench_amx_layers.py [--threads N] [--budget SECONDS]
 """
@@ -22,6 +24,7 @@ import torch
 
 from fxquant import native
 from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.kernels.onednn import rows as onednn_rows
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.kernels.torch_engines.amx_conv import NativeConv
 from fxquant.native.isa import cpu_model, has_amx_int8, has_avx2, isa_level
@@ -37,6 +40,10 @@ LINEARS = [(784, 256, 1), (784, 256, 8), (1024, 1024, 1), (1024, 1024, 2), (1024
            (768, 3072, 128), (256, 10, 8), (256, 10, 128)]
 IN_QP = QParams(torch.tensor(0.02), torch.tensor(10), *UINT8_RANGE)
 OUT_QP = QParams(torch.tensor(0.3), torch.tensor(100), *UINT8_RANGE)
+SEVEN_BIT_QPS = (QParams(torch.tensor(0.02), torch.tensor(10), 0, 127),  # onednn's activations without VNNI
+                 QParams(torch.tensor(0.3), torch.tensor(60), 0, 127))
+ONEDNN_LINEARS = [(1024, 1024, rows) for rows in (1, 2, 4, 8, 12, 15)] + [
+    (768, 3072, rows) for rows in (1, 4, 8, 15)] + [(3072, 768, rows) for rows in (1, 4, 8, 15)] + [(512, 1000, 1)]
 
 
 def _weight_qp(channels: int) -> QParams:
@@ -63,6 +70,23 @@ def _linear(backend: Backend, k: int, n: int, rows: int) -> tuple[Callable[[], A
             lambda: backend.linear(a, op, IN_QP, OUT_QP, relu=True))
 
 
+def _onednn_linear(k: int, n: int, rows: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The onednn backend's Linear with the row loop, and on the same layer's primitive (bound with the loop
+    declined: the binding is made once, on the first call)."""
+    backend, (in_qp, out_qp) = get_backend("onednn"), SEVEN_BIT_QPS
+    a = backend.quantize(torch.randn(rows, k), in_qp)
+    weight, w_qp, bias = torch.randint(-128, 128, (n, k)).to(torch.int8), _weight_qp(n), torch.randn(n)
+    packed = backend.prepack_linear(weight, w_qp, bias, in_qp=in_qp)
+    on_primitive = backend.prepack_linear(weight, w_qp, bias, in_qp=in_qp)
+    declined, onednn_rows.row_call = onednn_rows.row_call, lambda *args: None
+    try:
+        backend.linear(a, on_primitive, in_qp, out_qp, relu=True)
+    finally:
+        onednn_rows.row_call = declined
+    return (lambda: backend.linear(a, packed, in_qp, out_qp, relu=True),
+            lambda: backend.linear(a, on_primitive, in_qp, out_qp, relu=True))
+
+
 def _row(label: str, pair: tuple[Callable[[], Any], Callable[[], Any]], args: argparse.Namespace) -> str:
     stats = measure_latency({"loop": pair[0], "engine": pair[1]}, time_budget_s=args.budget, threads=args.threads)
     loop, engine = stats["loop"].median * 1e3, stats["engine"].median * 1e3
@@ -82,6 +106,7 @@ def main() -> None:
         native.THREAD_LIMITS.update(dict.fromkeys(native.THREAD_LIMITS, 1 << 16))
     if args.ignore_size_limits:
         NativeConv.takes = lambda self, positions: True  # type: ignore[method-assign]
+        onednn_rows.ROW_LIMIT = 1 << 30
     if not has_avx2():
         raise SystemExit("this CPU has no AVX2: fxquant keeps the engines' kernels, nothing to compare")
     torch.manual_seed(0)
@@ -96,6 +121,10 @@ def main() -> None:
         for k, n, rows in LINEARS:
             print(_row(f"{k} -> {n}, {rows} rows ({_linear_path(backend, k, n, rows)})", _linear(backend, k, n, rows),
                        args), flush=True)
+    if "onednn" in available_backends() and onednn_rows.usable(SEVEN_BIT_QPS[0]):
+        print("\n| onednn Linear, rows | AVX2 row loop | oneDNN primitive | ratio |\n|---|---|---|---|")
+        for k, n, rows in ONEDNN_LINEARS:
+            print(_row(f"{k} -> {n}, {rows} rows", _onednn_linear(k, n, rows), args), flush=True)
 
 
 def _linear_path(backend: Backend, k: int, n: int, rows: int) -> str:

@@ -45,6 +45,19 @@ class Requant(NamedTuple):
     qmax: int
 
 
+class OnednnRequant(NamedTuple):
+    """C ``OnednnRequant``: oneDNN's requantization of a Linear's sums, ``f = float(sum - zx * colsum) * mult +
+    bias`` (max(f, 0) with ``relu``), kept as float32 with ``float_out``, else ``rint(f * dst_inv + zo)`` saturated
+    to ``[0, qmax]``."""
+
+    zx: int
+    zo: int
+    relu: bool
+    float_out: bool
+    qmax: int
+    dst_inv: float
+
+
 class ConvInput(NamedTuple):
     """C ``ConvInput``: (N, D, H, W, C) bytes; strides of (N, D, H, W) in bytes, channels at stride 1."""
 
@@ -107,7 +120,7 @@ class PatchOutput(NamedTuple):
 Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int32 bias, float bias, multiplier per channel
 
 
-def _gemm_weights(weight: torch.Tensor, column_sums: torch.Tensor, factors: Factors,
+def gemm_weights(weight: torch.Tensor, column_sums: torch.Tensor, factors: Factors,
                   sizes: Triple) -> GemmWeights:
     """``sizes``: in_channels, n_pad, out_channels."""
     int_bias, bias, multipliers = factors
@@ -154,7 +167,7 @@ def conv_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, column_s
     size, x_strides = full(a.shape[2:], 1), full(a.stride()[2:], 0)
     out_size, out_strides = full(out.shape[2:], 1), full(out.stride()[2:], 0)
     x = ConvInput(a.data_ptr(), (a.shape[0], *size, a.shape[1]), (a.stride(0), *x_strides))
-    weights = _gemm_weights(weight, column_sums, factors, (a.shape[1], weight.shape[1], out_channels))
+    weights = gemm_weights(weight, column_sums, factors, (a.shape[1], weight.shape[1], out_channels))
     return extension.conv_u8(x, ConvWindow(kernel, stride, padding), weights, requant,
                              ConvOutput(out.data_ptr(), out_size, (out.stride(0), *out_strides)))
 
@@ -167,6 +180,43 @@ def linear_rows_into(out: torch.Tensor, a: torch.Tensor, weight: torch.Tensor, c
     pairs of products in 16 bits as fbgemm's AVX2 kernel does (exact on 7-bit inputs). False where the CPU lacks
     AVX2 (nothing written)."""
     assert loader.loops is not None and a.dim() == 2 and out.dim() == 2 and (a.stride(1) == 1 or a.shape[1] == 1)
-    weights = _gemm_weights(weight, column_sums, factors, (a.shape[1], column_sums.shape[0], out_channels))
+    weights = gemm_weights(weight, column_sums, factors, (a.shape[1], column_sums.shape[0], out_channels))
     return extension.linear_rows_u8(ByteRows(a.data_ptr(), a.stride(0)), a.shape[0], weights,
                                     requant, ByteRows(out.data_ptr(), out.stride(0)))
+
+
+def rows_layout(weight: torch.Tensor) -> torch.Tensor:
+    """A Linear's int8 ``weight`` (C_out, C_in) in the row loops' layout, (ceil(C_out / 64), ceil(C_in / 4), 64, 4):
+    each 64-channel block's bytes in reading order, zeros past the weight."""
+    out_channels, in_channels = weight.shape
+    wide = weight.new_zeros(-(-out_channels // 64) * 64, -(-in_channels // 4) * 4)
+    wide[:out_channels, :in_channels] = weight
+    return wide.reshape(-1, 64, wide.shape[1] // 4, 4).transpose(1, 2).contiguous()
+
+
+def rows_of_layout(layout: torch.Tensor, outputs: torch.Tensor, in_channels: int) -> torch.Tensor:
+    """The plain int8 rows ``outputs`` (1-d indices) of a weight in :func:`rows_layout`'s layout (a new tensor)."""
+    picked = layout[outputs.div(64, rounding_mode="floor"), :, outputs % 64, :]  # (len(outputs), C_in / 4, 4)
+    return picked.reshape(len(outputs), -1)[:, :in_channels].contiguous()
+
+
+class OnednnRows:
+    """``linear_rows_onednn`` on ``rows`` rows as ``run(x address, out address)``: the AVX2 row loop's sums with
+    oneDNN's requantization, exact on 7-bit inputs; RuntimeError (nothing written) without AVX2. It holds the
+    tensors whose addresses it passes, so a replay that keeps only ``run`` keeps them. ``strides``: of the input and
+    output rows, in bytes; ``weight`` in :func:`rows_layout`'s layout, the other terms padded to its channels."""
+
+    def __init__(self, rows: int, strides: tuple[int, int], weight: torch.Tensor, column_sums: torch.Tensor,
+                 factors: Factors, sizes: tuple[int, int], requant: OnednnRequant) -> None:
+        """``sizes``: in_channels, out_channels."""
+        assert loader.loops is not None
+        self.tensors = (weight, column_sums, *factors)
+        self.strides = strides
+        self.args = (rows, gemm_weights(weight, column_sums, factors, (sizes[0], column_sums.shape[0], sizes[1])),
+                     requant)
+        self.entry = extension.linear_rows_onednn
+
+    def __call__(self, x: int, out: int) -> None:
+        rows, weights, requant = self.args
+        if not self.entry(ByteRows(x, self.strides[0]), rows, weights, requant, ByteRows(out, self.strides[1])):
+            raise RuntimeError("linear_rows_onednn: this CPU has no AVX2 (the caller checks isa.has_avx2 first)")

@@ -1,7 +1,8 @@
 """A Linear on fxquant's oneDNN primitives keeps one int8 copy of its weight, the one reordered into oneDNN's layout
-(``fxquant.kernels.onednn.weights.pack_linear``): the plain weight is read back from it wherever it is needed, byte
-for byte. Each test checks against a layer that keeps the plain weight (the reference backend's, or the torch ops'
-path with fxquant's primitives hidden)."""
+(``fxquant.kernels.onednn.weights.pack_linear``), or on CPUs without VNNI the AVX2 row loop's
+(``fxquant.kernels.onednn.rows``, tests/kernels/test_onednn_rows.py): the plain weight is read back from it wherever
+it is needed, byte for byte. Each test checks against a layer that keeps the plain weight (the reference backend's,
+or the torch ops' path with fxquant's primitives hidden)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 
 import fxquant
 from fxquant.kernels.onednn import direct as onednn_direct
+from fxquant.kernels.onednn.weights import OnednnWeight
 from fxquant.kernels.registry import get_backend
 from fxquant.nn.quantized import QuantizedConvNd, QuantizedLinear
 from fxquant.qparams import QParams
@@ -44,6 +46,16 @@ def _linears(model: nn.Module) -> list[QuantizedLinear]:
     return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
 
 
+def _held_copies(w: OnednnWeight) -> int:
+    """The int8 copies a Linear's weight holds: a primitive's reordered one each, and the AVX2 row loop's layout,
+    which holds it instead on CPUs without VNNI (``fxquant.kernels.onednn.rows``)."""
+    return sum(p.weights_bytes > 0 for p in w.shared) + (w.row_layout is not None)
+
+
+def _held_bytes(w: OnednnWeight) -> int:
+    return sum(p.weights_bytes for p in w.shared) + (0 if w.row_layout is None else w.row_layout.numel())
+
+
 def test_a_layer_keeps_one_copy_and_reads_the_plain_weight_back_exactly() -> None:
     held, x = _converted("onednn")
     plain, _ = _converted("reference")
@@ -52,7 +64,7 @@ def test_a_layer_keeps_one_copy_and_reads_the_plain_weight_back_exactly() -> Non
         assert torch.equal(layer.weight, reference.weight)
         w = layer._packed.payload
         assert w.holds_weight() and w.plain is None
-        assert [p.weights_bytes > 0 for p in w.shared] == [True]  # one reordered copy, nothing else
+        assert _held_copies(w) == 1  # one reordered copy, nothing else
     assert list(held.state_dict()) == list(plain.state_dict())
     for key, value in plain.state_dict().items():
         if key.endswith("weight"):
@@ -159,7 +171,7 @@ def test_the_benchmarks_weight_count_sees_one_copy() -> None:
     prepared = fxquant.prepare(model, (x,), fxquant.QuantConfig(backend="onednn"))
     prepared(x)
     held = fxquant.convert(prepared)
-    reordered = sum(p.weights_bytes for layer in _linears(held) for p in layer._packed.payload.shared)
+    reordered = sum(_held_bytes(layer._packed.payload) for layer in _linears(held))
     int8 = sum(layer.weight.numel() for layer in _linears(held))
     assert reordered >= int8
     # beside the reordered copy: scales, biases, qparams, calibration statistics; a plain copy would add ``int8``

@@ -21,7 +21,7 @@ ENTRY_SOURCES = (MODULE_C, NATIVE / "csrc" / "module_rows.c")  # module.c's meth
 STUB = NATIVE / "_native.pyi"
 
 Shape = str | tuple["Shape", ...]  # a leaf type name ("int", "float", "bool", "None") or a tuple of shapes
-_UNITS = {"K": "int", "L": "int", "n": "int", "i": "int", "d": "float", "p": "bool"}
+_UNITS = {"K": "int", "L": "int", "n": "int", "i": "int", "d": "float", "f": "float", "p": "bool"}
 _BUILT = {**_UNITS, "O": "*"}  # Py_BuildValue's units; "O" (an object: Py_True, ...) matches any type
 
 

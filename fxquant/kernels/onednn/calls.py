@@ -15,6 +15,7 @@ import torch
 
 from fxquant.kernels.base import ConvAddQParams
 from fxquant.kernels.onednn import direct as onednn_direct
+from fxquant.kernels.onednn import rows as onednn_rows
 from fxquant.kernels.onednn.direct import Output
 from fxquant.kernels.onednn.post_ops import (
     POST_OPS,
@@ -76,6 +77,9 @@ def bind_linear(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output:
     as for :func:`bind_conv`."""
     x_scale, x_zp, bias = operands(w, in_qp)
     weight = direct_weight(w)
+    rows = weight is not None and onednn_rows.row_call(w, shape, in_qp, output, post_op, within, (x_scale, x_zp, bias))
+    if rows:
+        return rows
     direct = weight is not None and onednn_direct.linear(weight, w.out_channels, w.scale, bias, shape,
                                                          (x_scale, x_zp), output, post_op, w.shared,
                                                          clip=output_clip(within))

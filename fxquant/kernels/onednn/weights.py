@@ -20,7 +20,9 @@ import torch
 
 from fxquant.kernels.base import ConvSpec
 from fxquant.kernels.onednn import direct as onednn_direct
+from fxquant.kernels.onednn import rows as onednn_rows
 from fxquant.kernels.plain_int8 import weight_scale
+from fxquant.native.amx_gemm import rows_layout, rows_of_layout
 from fxquant.qparams import QParams
 
 SHAPES_PER_WEIGHT = 4  # (input shape, threads) a conv weight is repacked for (e.g. batch 1 and a serving batch)
@@ -57,6 +59,8 @@ class OnednnWeight:
     plain: torch.Tensor | None = None  # the int8 weight, contiguous, for primitives built directly (onednn_direct)
     shape: tuple[int, ...] = ()  # the int8 weight's
     shared: list[Any] = field(default_factory=list, compare=False)  # those owning their weights (one per layout)
+    # the int8 weight in the AVX2 row loop's layout, where a Linear keeps its only copy there (``_hold_alone``)
+    row_layout: torch.Tensor | None = field(default=None, compare=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
         # The packed tensors are opaque (no storage to copy) and never modified after packing, so copies share them.
@@ -73,15 +77,18 @@ class OnednnWeight:
         return self.packed
 
     def holds_weight(self) -> bool:
-        """Whether the primitives hold the only int8 copy of the weight (:func:`pack_linear`)."""
-        return self.plain is None and bool(self.shared)
+        """Whether the primitives, or the row loop's layout, hold the only int8 copy of the weight
+        (:func:`pack_linear`)."""
+        return self.plain is None and (bool(self.shared) or self.row_layout is not None)
 
     def unpacked(self) -> torch.Tensor:
-        """The plain int8 weight: ``plain``, or, where the primitives hold the only copy, a new tensor reordered
-        back from theirs (byte for byte: a reorder only moves bytes)."""
+        """The plain int8 weight: ``plain``, or, where the primitives or the row loop's layout hold the only copy, a
+        new tensor made back from it (byte for byte: both layouts only move bytes)."""
         if self.plain is not None:
             return self.plain
         assert self.holds_weight(), "packed for the torch ops only: the layer keeps the plain weight"
+        if self.row_layout is not None:
+            return rows_of_layout(self.row_layout, torch.arange(self.shape[0]), self.shape[1])
         plain = torch.empty(self.shape, dtype=torch.int8)
         self.shared[0].unpack(plain.data_ptr())
         return plain
@@ -95,6 +102,8 @@ class OnednnWeight:
         out_features, in_features = self.shape
         if outputs.numel() and (int(outputs.min()) < 0 or int(outputs.max()) >= out_features):
             raise IndexError("index out of range in self")
+        if self.row_layout is not None:
+            return rows_of_layout(self.row_layout, outputs, in_features)
         blocks, inverse = torch.unique(outputs.div(ROW_BLOCK, rounding_mode="floor"), return_inverse=True)
         read = torch.empty(len(blocks), ROW_BLOCK, in_features, dtype=torch.int8)
         try:
@@ -126,17 +135,22 @@ def pack_linear(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None,
     """
     packed = None if onednn_direct.available() else torch.ops.onednn.qlinear_prepack(weight.contiguous(), None)
     w = _onednn_weight(weight, w_qp, bias, packed, folded=_foldable(weight, in_qp))
-    _hold_alone(w)
+    _hold_alone(w, in_qp)
     return w
 
 
-def _hold_alone(w: OnednnWeight) -> None:
+def _hold_alone(w: OnednnWeight, in_qp: QParams | None) -> None:
     """Reorder a Linear's weight into oneDNN's layout now and drop the plain copy, which would double the layer's
     int8 bytes. The layout is the one oneDNN picks for one row of input (a decode step; on an AVX512-VNNI CPU the same
     for 1 to 512 rows at one and two threads); later primitives use it, or reorder from a plain copy made back from
-    it (``onednn_direct._primitive``). The plain copy stays where no primitive can be built, or where the reorder
-    back does not give it exactly."""
+    it (``onednn_direct._primitive``). Where the AVX2 row loop would run one row (:mod:`~fxquant.kernels.onednn.rows`:
+    7-bit inputs without VNNI), the weight goes into the loop's layout instead. The plain copy stays where no
+    primitive can be built, or where the reorder back does not give it exactly."""
     if w.plain is None:
+        return
+    if onednn_rows.takes_one_row(in_qp):
+        object.__setattr__(w, "row_layout", rows_layout(w.plain))
+        object.__setattr__(w, "plain", None)
         return
     out_features, in_features = w.shape
     primitive = onednn_direct.linear(w.plain, out_features, w.scale, None, (1, in_features), (1.0, 0),

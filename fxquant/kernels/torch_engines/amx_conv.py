@@ -28,6 +28,7 @@ import torch
 from fxquant import native
 from fxquant.kernels.base import ConvSpec
 from fxquant.kernels.torch_engines.engine import empty_quantized, grid, int32_bias, is_quint8
+from fxquant.native.amx_gemm import rows_layout
 from fxquant.native.isa import has_amx_int8, has_avx2, has_avx512_vnni, has_vnni
 from fxquant.qparams import QParams
 
@@ -130,11 +131,7 @@ def native_conv(weight: torch.Tensor, w_qp: QParams, bias: torch.Tensor | None, 
     floats[1, :out_channels] = w_qp.scale.float()
     floats[1, out_channels:] = 1.0  # padding channels: any finite scale
     packed = padded.reshape(n_pad, kernel[0] * kernel[1] * span_pad // 4, 4).transpose(0, 1).contiguous()
-    row_weight = None
-    if linear:  # (n / 64 blocks, K / 4, 64, 4): each 64-channel block's bytes in reading order
-        wide = padded.new_zeros(-(-out_channels // 64) * 64, span_pad)
-        wide[:out_channels] = padded[:out_channels, 0]
-        row_weight = wide.reshape(-1, 64, span_pad // 4, 4).transpose(1, 2).contiguous()
+    row_weight = rows_layout(weight.reshape(out_channels, in_channels)) if linear else None
     return NativeConv(packed, sums, floats[0].clone(), floats[1].clone(), in_channels, out_channels, spec,
                       (kernel[0], kernel[1], kernel[2]), engine, linear, row_weight, tiles, vnni)
 

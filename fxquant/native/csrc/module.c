@@ -244,6 +244,38 @@ static PyObject *linear_rows_u8(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
+/* linear_rows_onednn((x_ptr, x_stride), rows, weights, (zx, zo, relu, float_out, qmax, dst_inv), (out_ptr,
+ * out_stride)) -> bool
+ *
+ * linear_rows_u8's sums with oneDNN's requantization (OnednnRequant), on the AVX2 loop whatever the CPU has: exact on
+ * 7-bit inputs, which the caller guarantees. out_stride in bytes. False (nothing written) without AVX2. */
+static PyObject *linear_rows_onednn(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, out_addr, addr[5];
+    ByteRows x, out;
+    int64_t rows;
+    GemmWeights w;
+    OnednnRequant r;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KL)L(KKKKKLLL)(LLppLf)(KL)", &x_addr, &x.stride, &rows, &addr[0], &addr[1],
+                          &addr[2], &addr[3], &addr[4], &w.in_channels, &w.n_pad, &w.out_channels, &r.zx, &r.zo,
+                          &r.relu, &r.float_out, &r.qmax, &r.dst_inv, &out_addr, &out.stride))
+        return NULL;
+    Requant range = {r.zx, r.zo, 0, r.qmax};
+    if (rows < 0 || w.in_channels < 1 || bad_gemm(&w, &range)) {
+        PyErr_SetString(PyExc_ValueError, "linear_rows_onednn: bad shape, packing or zero point");
+        return NULL;
+    }
+    if (!fxq_avx2_usable())
+        Py_RETURN_FALSE;
+    gemm_weights(&w, addr);
+    x.data = PTR(uint8_t, x_addr);
+    out.data = PTR(uint8_t, out_addr);
+    Py_BEGIN_ALLOW_THREADS
+    fxq_linear_rows_onednn_avx2(&x, rows, &w, &r, &out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_TRUE;
+}
+
 /* conv_u8((x_ptr, (N, D, H, W, C), x_strides), (kernel, stride, padding), weights, (zx, zo, relu),
  *         (out_ptr, (Do, Ho, Wo), out_strides)) -> bool
  *
@@ -337,6 +369,7 @@ static PyMethodDef methods[] = {
     {"lookup_u8", lookup_u8, METH_VARARGS, "dst[i] = table[src[i]] over n bytes (a 256-entry table)."},
     {"conv_u8", conv_u8, METH_VARARGS, "A conv as fbgemm or qnnpack computes it, on AMX tiles."},
     {"linear_rows_u8", linear_rows_u8, METH_VARARGS, "A Linear on a few rows as fbgemm or qnnpack computes it."},
+    {"linear_rows_onednn", linear_rows_onednn, METH_VARARGS, "A Linear on a few rows as oneDNN computes it."},
     {"copy_rows", copy_rows, METH_VARARGS, "Copy rows of bytes between two strided 2-d layouts."},
     {"patches_u8", patches_u8, METH_VARARGS, "A kernel == stride transposed conv as fbgemm's Linear, in place."},
     {"quantize_rows_s8", fxq_py_quantize_rows_s8, METH_VARARGS, "Symmetric per-row int8 of float32 rows (per token)."},

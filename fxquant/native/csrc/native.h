@@ -6,7 +6,7 @@
  *   elementwise.c quantize_f32, mean_u8, mul_u8, lookup_u8, copy_rows, quantize_rows_s8, rescale_rows
  *                 (fxquant/native/elementwise.py, fxquant/native/per_token.py)
  *   amx_gemm.c    conv_u8, linear_rows_u8: int8 GEMMs on AMX and AVX512-VNNI (fxquant/native/amx_gemm.py)
- *   rows_avx2.c   linear_rows_u8 on AVX2 alone (CPUs without VNNI; the same wrapper)
+ *   rows_avx2.c   linear_rows_u8 on AVX2 alone (CPUs without VNNI; the same wrapper), and linear_rows_onednn
  *   patches.c     patches_u8: a kernel == stride transposed conv on AVX512-VNNI and AMX (the same wrappers)
  *   weight_only.c weight_only_f32: a few-row float32 Linear on int8 weights (fxquant/native/weight_only.py)
  *   int8_rows.c   int8_rows_f32: a few-row per-token INT8 Linear on AVX512-VNNI (fxquant/native/per_token.py)
@@ -180,6 +180,16 @@ typedef struct {
     int64_t qmax;
 } Requant;
 
+/* oneDNN's requantization of a Linear's sums (its matmul primitive's, on fxquant's onednn backend): f = float(sum -
+ * zx * colsum) * mult + bias (mult: s_x * s_w in float32, bias: float), then max(f, 0) with relu; float_out keeps
+ * f (float32 outputs), else the output is rint(f * dst_inv + zo) saturated to [0, qmax] (dst_inv: 1 / s_out). */
+typedef struct {
+    int64_t zx, zo;
+    int relu, float_out;
+    int64_t qmax;
+    float dst_inv;
+} OnednnRequant;
+
 /* (N, D, H, W, C) bytes, channels at stride 1: strides of the (N, D, H, W) dimensions in bytes. */
 typedef struct {
     const uint8_t *data;
@@ -234,6 +244,10 @@ FXQ_INTERNAL void fxq_linear_rows_u8(const ByteRows *x, int64_t rows, const Gemm
 FXQ_INTERNAL int fxq_avx2_usable(void);
 FXQ_INTERNAL void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *weights,
                                           const Requant *requant, const ByteRows *out);
+/* The same sums with oneDNN's requantization (exact on 7-bit inputs, as oneDNN's own AVX2 kernel is); out's stride
+ * in bytes, float32 outputs with float_out. Only where fxq_avx2_usable(). */
+FXQ_INTERNAL void fxq_linear_rows_onednn_avx2(const ByteRows *x, int64_t rows, const GemmWeights *weights,
+                                             const OnednnRequant *requant, const ByteRows *out);
 /* Only where fxq_vnni_usable(); amx: fxq_amx_usable(), read with the GIL. */
 FXQ_INTERNAL void fxq_patches_u8(const PatchInput *x, const PatchWeights *weights, const PatchRequant *requant,
                                  const PatchOutput *out, const int64_t kernel[2], int amx);

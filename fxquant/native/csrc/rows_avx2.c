@@ -1,6 +1,7 @@
 /* linear_rows_u8_avx2: a Linear on a few rows as fbgemm computes it, on AVX2 alone - the few-row loop of CPUs without
  * VNNI (amx_gemm.c has the VNNI one), where fbgemm's own kernel reads each weight byte for a single row through
- * its general GEMM.
+ * its general GEMM. linear_rows_onednn_avx2: the same sums with oneDNN's requantization, for the onednn backend's
+ * few-row Linears on such CPUs, where oneDNN's matmul primitive takes 2-3x the loop's time (docs/backends.md).
  *
  * vpmaddubsw sums each pair of u8*s8 products (inputs 2j, 2j + 1) in 16 bits, saturating, and vpmaddwd against ones
  * sums those pairs in 32 bits: exact where the inputs are 7-bit (2 * 127 * 128 < 32767), as fxquant's fbgemm qparams
@@ -9,7 +10,8 @@
  * (ceil(n_pad / 64), ceil(C / 4), 64, 4) int8, eight channels x four inputs per 32 bytes. One row against one block
  * sums in eight accumulators (of AVX2's sixteen registers), the block's bytes read in order: tiles of several rows
  * x fewer channels read the block in strides, which measured slower once other layers had evicted it from the
- * caches (docs/amx.md). The requantization is the VNNI loop's (conv_requantize), on eight channels. Arguments arrive
+ * caches (docs/amx.md). The requantization is the VNNI loop's (conv_requantize), on eight channels, or oneDNN's
+ * (OnednnRequant). Arguments arrive
  * checked (module.c), which asks fxq_avx2_usable first; runs without the GIL.
  */
 #include <stdint.h>
@@ -45,14 +47,38 @@ __attribute__((target("avx2"), always_inline)) static inline void requantize8(
     }
 }
 
-/* One row against one block of 64 output channels from col0: eight groups of eight in eight accumulators, the
- * block's 256 bytes per four inputs read in order */
-__attribute__((target("avx2"), always_inline)) static inline void row_block(
-    const GemmWeights *w, const Requant *r, const uint8_t *x, uint8_t *out, const int64_t col0) {
+/* oneDNN's requantization (OnednnRequant) of eight channels' sums at col: n outputs stored, bytes or float32 */
+__attribute__((target("avx2"), always_inline)) static inline void onednn8(
+    const GemmWeights *w, const OnednnRequant *r, const __m256i acc, const int64_t col, uint8_t *dst, const int64_t n) {
+    const __m256i offset = _mm256_mullo_epi32(_mm256_set1_epi32((int)r->zx),
+                                              _mm256_loadu_si256((const __m256i *)(w->colsum + col)));
+    __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc, offset)), _mm256_loadu_ps(w->mult + col));
+    f = _mm256_add_ps(f, _mm256_loadu_ps(w->bias + col)); /* not fused: oneDNN multiplies, then adds */
+    if (r->relu)
+        f = _mm256_max_ps(f, _mm256_setzero_ps());
+    if (r->float_out) {
+        float values[8];
+        _mm256_storeu_ps(values, f);
+        memcpy(dst, values, sizeof(float) * (size_t)(n < 8 ? n : 8));
+        return;
+    }
+    /* saturated in float before the conversion, as oneDNN saturates (a sum beyond int32 stays qmax) */
+    f = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(r->dst_inv)), _mm256_set1_ps((float)r->zo));
+    f = _mm256_min_ps(_mm256_max_ps(f, _mm256_setzero_ps()), _mm256_set1_ps((float)r->qmax));
+    const __m256i q = _mm256_cvtps_epi32(f);
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+    uint8_t bytes[16];
+    _mm_storeu_si128((__m128i *)bytes, _mm_packus_epi16(words, words));
+    memcpy(dst, bytes, (size_t)(n < 8 ? n : 8));
+}
+
+/* One row's sums against one block of 64 output channels from col0: eight groups of eight in eight accumulators,
+ * the block's 256 bytes per four inputs read in order */
+__attribute__((target("avx2"), always_inline)) static inline void block_sums(const GemmWeights *w, const uint8_t *x,
+                                                                             const int64_t col0, __m256i acc[GROUPS]) {
     const int64_t k = w->in_channels, full = k / 4, tail = k % 4;
     const int8_t *wt = w->w + (col0 / 64) * ((k + 3) / 4) * 256;
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[GROUPS];
     for (int g = 0; g < GROUPS; g++)
         acc[g] = _mm256_setzero_si256();
     for (int64_t kk = 0; kk < full + (tail != 0); kk++) {
@@ -68,20 +94,35 @@ __attribute__((target("avx2"), always_inline)) static inline void row_block(
             acc[g] = _mm256_add_epi32(acc[g], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
         }
     }
-    for (int g = 0; g < GROUPS && col0 + 8 * g < w->out_channels; g++)  /* groups past C_out summed zeros */
-        requantize8(w, r, acc[g], col0 + 8 * g, out + col0 + 8 * g, w->out_channels - col0 - 8 * g);
 }
 
 /* The 64-channel blocks split over torch's threads (each output is one thread's, summed in one order: the bytes do
  * not depend on the thread count), each row in turn against a block: its weights stream from memory in order for
- * the first row and stay in L2 for the next. */
+ * the first row and stay in L2 for the next. Groups past C_out summed zeros and are not stored. */
 __attribute__((target("avx2"))) void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w,
                                                               const Requant *r, const ByteRows *out) {
     const int64_t blocks = (w->n_pad + 63) / 64;
     FXQ_PARALLEL_FOR(w->n_pad * w->in_channels >= FXQ_PARALLEL_WORK)
     for (int64_t block = 0; block < blocks; block++)
-        for (int64_t row = 0; row < rows; row++)
-            row_block(w, r, x->data + row * x->stride, out->data + row * out->stride, 64 * block);
+        for (int64_t row = 0; row < rows; row++) {
+            __m256i acc[GROUPS];
+            block_sums(w, x->data + row * x->stride, 64 * block, acc);
+            for (int64_t g = 0, col = 64 * block; g < GROUPS && col < w->out_channels; g++, col += 8)
+                requantize8(w, r, acc[g], col, out->data + row * out->stride + col, w->out_channels - col);
+        }
+}
+
+__attribute__((target("avx2"))) void fxq_linear_rows_onednn_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w,
+                                                                  const OnednnRequant *r, const ByteRows *out) {
+    const int64_t blocks = (w->n_pad + 63) / 64, size = r->float_out ? (int64_t)sizeof(float) : 1;
+    FXQ_PARALLEL_FOR(w->n_pad * w->in_channels >= FXQ_PARALLEL_WORK)
+    for (int64_t block = 0; block < blocks; block++)
+        for (int64_t row = 0; row < rows; row++) {
+            __m256i acc[GROUPS];
+            block_sums(w, x->data + row * x->stride, 64 * block, acc);
+            for (int64_t g = 0, col = 64 * block; g < GROUPS && col < w->out_channels; g++, col += 8)
+                onednn8(w, r, acc[g], col, out->data + row * out->stride + col * size, w->out_channels - col);
+        }
 }
 
 int fxq_avx2_usable(void) { return __builtin_cpu_supports("avx2"); }
@@ -90,6 +131,11 @@ int fxq_avx2_usable(void) { return __builtin_cpu_supports("avx2"); }
 
 void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w, const Requant *r,
                              const ByteRows *out) {
+    (void)x; (void)rows; (void)w; (void)r; (void)out;
+}
+
+void fxq_linear_rows_onednn_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w, const OnednnRequant *r,
+                                 const ByteRows *out) {
     (void)x; (void)rows; (void)w; (void)r; (void)out;
 }
 

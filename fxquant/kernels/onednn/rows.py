@@ -1,0 +1,94 @@
+"""The onednn backend's few-row Linears on fxquant's AVX2 row loop, on CPUs with AVX2 alone.
+
+Without VNNI, oneDNN's int8 matmul sums pairs of u8*s8 products in 16 bits (``vpmaddubsw``) on 7-bit activations,
+and at one to a few rows it reads each weight byte through a GEMM built for many: on an AMD EPYC Zen 1 it takes
+2-3x the time of fxquant's row loop (``fxquant/native/csrc/rows_avx2.c``), which streams the weights once in the
+order it sums them (docs/backends.md, "Few-row Linears without VNNI"). The loop sums the same pairs exactly, as
+oneDNN does on 7-bit inputs, and requantizes as oneDNN's primitive does (``OnednnRequant``: the sum times
+``s_x * s_w`` in float32, plus the float bias, then the ReLU, then times ``1 / s_out`` plus the zero point, rounded
+to nearest even): the same bytes, or float32 values, as the primitive (tests/kernels/test_onednn_rows.py).
+
+The loop takes a call where the input is 7-bit (the range the backend gives activations without VNNI), the output
+uint8 or float32 with no post-op but a ReLU, fewer than :data:`ROW_LIMIT` rows, and torch's thread count within
+the loop's limit (``native.THREAD_LIMITS["onednn_linear"]``); other calls keep the primitive. A call is a
+:data:`~fxquant.kernels.recording.AddressCall`, so a replayed run (:mod:`fxquant.runtime.replay`) holds it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxquant import native
+from fxquant.kernels import recording
+from fxquant.kernels.onednn.direct import Output
+from fxquant.native.amx_gemm import OnednnRequant, OnednnRows, rows_layout
+from fxquant.native.isa import has_avx2, has_vnni
+from fxquant.qparams import QParams
+
+if TYPE_CHECKING:
+    from fxquant.kernels.onednn.weights import Call, OnednnWeight
+
+ROW_LIMIT = 16  # rows from which oneDNN's primitive is faster (docs/backends.md, "Few-row Linears without VNNI")
+FAMILY = "onednn_linear"  # its thread limit in native.THREAD_LIMITS
+_SEVEN_BIT = 127  # the loop's 16-bit pair sums are exact on inputs up to this
+
+
+def usable(in_qp: QParams | None) -> bool:
+    """Whether the loop can run this process's calls on inputs ``in_qp`` (thread count aside): C loops on, AVX2, no
+    VNNI (the backend's activations are 8-bit with it, and oneDNN's VNNI kernel is the fast one), 7-bit inputs."""
+    return (in_qp is not None and not in_qp.per_channel and in_qp.qmin >= 0 and in_qp.qmax <= _SEVEN_BIT
+            and native.loader.loops is not None and has_avx2() and not has_vnni())
+
+
+def takes_one_row(in_qp: QParams | None) -> bool:
+    """Whether the loop would run a one-row call on inputs ``in_qp`` at torch's current thread count."""
+    return usable(in_qp) and native.available(FAMILY)
+
+
+def row_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Output, post_op: str,
+             within: QParams | None, operands: tuple[float, int, torch.Tensor | None]) -> Call | None:
+    """The Linear on inputs of ``shape`` by the row loop, or None where the primitive should run it (see the module
+    docstring); ``output``, ``post_op`` and ``within`` as for ``calls.bind_linear``; ``operands``: the input scale
+    and zero point the call uses and the bias that goes with them (``weights.operands``)."""
+    rows = math.prod(shape[:-1])
+    scale, zero_point, dtype = output
+    qmin, qmax = (0, 255) if within is None else (within.qmin, within.qmax)
+    if (rows >= ROW_LIMIT or post_op not in ("none", "relu") or dtype not in (torch.uint8, torch.float32)
+            or qmin != 0 or not usable(in_qp) or not native.available(FAMILY)):
+        return None
+    plain = w.unpacked()
+    layout = w.row_layout if w.row_layout is not None else rows_layout(plain)
+    n_pad = layout.shape[0] * 64
+    x_scale, x_zp, bias = operands
+    multipliers = torch.tensor(x_scale, dtype=torch.float32) * w.scale.float().reshape(-1).expand(w.out_channels)
+    factors = (torch.zeros(n_pad, dtype=torch.int32),
+               _padded(torch.zeros(w.out_channels) if bias is None else bias.float(), n_pad),
+               _padded(multipliers, n_pad))
+    float_out = dtype is torch.float32
+    dst_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
+    requant = OnednnRequant(x_zp, zero_point, post_op == "relu", float_out, qmax, dst_inv)
+    run = OnednnRows(rows, (shape[-1], w.out_channels * (4 if float_out else 1)), layout,
+                     _padded(plain.sum(1, dtype=torch.int32), n_pad), factors, (shape[-1], w.out_channels), requant)
+    out_shape, empty = (*shape[:-1], w.out_channels), torch.empty
+
+    def call(a: torch.Tensor) -> torch.Tensor:
+        if a.dtype is not torch.uint8:
+            raise TypeError(f"oneDNN int8 layers take uint8 activations, got {a.dtype}")
+        a = a.contiguous()
+        out = empty(out_shape, dtype=dtype)
+        run(a.data_ptr(), out.data_ptr())
+        recording.record(run, a.data_ptr(), out)
+        return out
+
+    call.loop = run  # type: ignore[attr-defined]  # (as onednn_direct's calls carry their primitive)
+    return call
+
+
+def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
+    """``values`` followed by zeros, ``size`` in all (the padding channels the loop sums and never stores)."""
+    out = torch.zeros(size, dtype=values.dtype)
+    out[:values.numel()] = values.reshape(-1)
+    return out
