@@ -7,7 +7,7 @@ the ratio holds on a noisy machine. The loops run on one thread, and only up to 
 ``--threads`` sets the engines' threads. Convs need AMX (skipped without it); Linears take AMX tiles from 16 rows and
 2**20 multiply-adds and the VNNI row loop below, or with VNNI but no AMX the row loop where ``NativeConv.takes``
 says; with AVX2 alone, fbgemm's Linears take the AVX2 row loop within the same limits, and so do the onednn
-backend's below ``fxquant.kernels.onednn.rows.ROW_LIMIT`` rows (against oneDNN's matmul primitive, which fxquant
+backend's up to ``fxquant.kernels.onednn.rows.MAX_ROWS`` rows (against oneDNN's matmul primitive, which fxquant
 builds for the same layer). Tables: ``docs/amx.md`` and, for onednn, ``docs/backends.md``.
 
     python scripts/bench_amx_layers.py [--threads N] [--budget SECONDS]
@@ -42,8 +42,9 @@ IN_QP = QParams(torch.tensor(0.02), torch.tensor(10), *UINT8_RANGE)
 OUT_QP = QParams(torch.tensor(0.3), torch.tensor(100), *UINT8_RANGE)
 SEVEN_BIT_QPS = (QParams(torch.tensor(0.02), torch.tensor(10), 0, 127),  # onednn's activations without VNNI
                  QParams(torch.tensor(0.3), torch.tensor(60), 0, 127))
-ONEDNN_LINEARS = [(1024, 1024, rows) for rows in (1, 2, 4, 8, 12, 15)] + [
-    (768, 3072, rows) for rows in (1, 4, 8, 15)] + [(3072, 768, rows) for rows in (1, 4, 8, 15)] + [(512, 1000, 1)]
+ONEDNN_LINEARS = [(1024, 1024, rows) for rows in (1, 2, 4, 8, 16, 32, 48, 64)] + [
+    (768, 3072, rows) for rows in (1, 4, 8, 16, 32, 64)] + [(3072, 768, rows) for rows in (1, 4, 8, 16, 32, 64)] + [
+    (512, 1000, 1)]
 
 
 def _weight_qp(channels: int) -> QParams:
@@ -106,7 +107,7 @@ def main() -> None:
         native.THREAD_LIMITS.update(dict.fromkeys(native.THREAD_LIMITS, 1 << 16))
     if args.ignore_size_limits:
         NativeConv.takes = lambda self, positions: True  # type: ignore[method-assign]
-        onednn_rows.ROW_LIMIT = 1 << 30
+        onednn_rows.MAX_ROWS = 1 << 30
     if not has_avx2():
         raise SystemExit("this CPU has no AVX2: fxquant keeps the engines' kernels, nothing to compare")
     torch.manual_seed(0)

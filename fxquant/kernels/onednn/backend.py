@@ -20,7 +20,8 @@ numerically against the reference backend:
 With VNNI/AMX, u8*s8 products accumulate in int32 and activations use the full 8-bit range (exact, including the
 depthwise case where fbgemm saturates). Without VNNI, pairs of u8*s8 products are summed in 16 bits
 (``vpmaddubsw``); oneDNN's weight pre-scaling (``scale_adjust``) only covers signed sources, so u8 activations drop
-to 7 bits there, as for fbgemm.
+to 7 bits there, as for fbgemm; Linears on up to 32 rows run on fxquant's AVX2 row loop there, which computes
+the primitive's bytes faster (:mod:`fxquant.kernels.onednn.rows`).
 """
 
 from __future__ import annotations

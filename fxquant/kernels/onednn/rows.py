@@ -2,14 +2,16 @@
 
 Without VNNI, oneDNN's int8 matmul sums pairs of u8*s8 products in 16 bits (``vpmaddubsw``) on 7-bit activations,
 and at one to a few rows it reads each weight byte through a GEMM built for many: on an AMD EPYC Zen 1 it takes
-2-3x the time of fxquant's row loop (``fxquant/native/csrc/rows_avx2.c``), which streams the weights once in the
-order it sums them (docs/backends.md, "Few-row Linears without VNNI"). The loop sums the same pairs exactly, as
-oneDNN does on 7-bit inputs, and requantizes as oneDNN's primitive does (``OnednnRequant``: the sum times
-``s_x * s_w`` in float32, plus the float bias, then the ReLU, then times ``1 / s_out`` plus the zero point, rounded
-to nearest even): the same bytes, or float32 values, as the primitive (tests/kernels/test_onednn_rows.py).
+1.05-2.1x the time of fxquant's row loop on 1 to 32 rows (``fxquant/native/csrc/rows_avx2.c``), which streams the
+weights once in the order it sums them (docs/backends.md, "Few-row Linears on CPUs with AVX2 alone"). The loop sums
+the same pairs exactly, as oneDNN does on 7-bit inputs, and requantizes as oneDNN's primitive does
+(``OnednnRequant``: the sum times ``s_x * s_w`` in float32, plus the float bias, then the ReLU, then times
+``1 / s_out`` plus the zero point, rounded to nearest even): the same bytes, or float32 values, as the primitive
+(tests/kernels/test_onednn_rows.py).
 
-The loop takes a call where the input is 7-bit (the range the backend gives activations without VNNI), the output
-uint8 or float32 with no post-op but a ReLU, fewer than :data:`ROW_LIMIT` rows, and torch's thread count within
+The loop takes a call where AVX2 is the highest instruction set fxquant may use (a CPU with AVX2 alone, or
+``FXQUANT_ISA=avx2``), the input is 7-bit (the range the backend gives activations without VNNI), the output
+uint8 or float32 with no post-op but a ReLU, at most :data:`MAX_ROWS` rows, and torch's thread count within
 the loop's limit (``native.THREAD_LIMITS["onednn_linear"]``); other calls keep the primitive. A call is a
 :data:`~fxquant.kernels.recording.AddressCall`, so a replayed run (:mod:`fxquant.runtime.replay`) holds it.
 """
@@ -25,22 +27,24 @@ from fxquant import native
 from fxquant.kernels import recording
 from fxquant.kernels.onednn.direct import Output
 from fxquant.native.amx_gemm import OnednnRequant, OnednnRows, rows_layout
-from fxquant.native.isa import has_avx2, has_vnni
+from fxquant.native.isa import has_avx2, has_avx512, has_vnni
 from fxquant.qparams import QParams
 
 if TYPE_CHECKING:
     from fxquant.kernels.onednn.weights import Call, OnednnWeight
 
-ROW_LIMIT = 16  # rows from which oneDNN's primitive is faster (docs/backends.md, "Few-row Linears without VNNI")
+MAX_ROWS = 32  # above, at one thread the loop gains under 5% (measured to 64 rows: docs/backends.md)
 FAMILY = "onednn_linear"  # its thread limit in native.THREAD_LIMITS
 _SEVEN_BIT = 127  # the loop's 16-bit pair sums are exact on inputs up to this
 
 
 def usable(in_qp: QParams | None) -> bool:
-    """Whether the loop can run this process's calls on inputs ``in_qp`` (thread count aside): C loops on, AVX2, no
-    VNNI (the backend's activations are 8-bit with it, and oneDNN's VNNI kernel is the fast one), 7-bit inputs."""
+    """Whether the loop can run this process's calls on inputs ``in_qp`` (thread count aside): C loops on, 7-bit
+    inputs, and AVX2 as the highest instruction set fxquant may use, where it was measured against oneDNN's AVX2
+    kernel (with VNNI the backend's activations are 8-bit and oneDNN's VNNI kernel runs them; on AVX512 without VNNI
+    oneDNN's kernel is another, not measured against the loop)."""
     return (in_qp is not None and not in_qp.per_channel and in_qp.qmin >= 0 and in_qp.qmax <= _SEVEN_BIT
-            and native.loader.loops is not None and has_avx2() and not has_vnni())
+            and native.loader.loops is not None and has_avx2() and not has_avx512() and not has_vnni())
 
 
 def takes_one_row(in_qp: QParams | None) -> bool:
@@ -56,7 +60,7 @@ def row_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Ou
     rows = math.prod(shape[:-1])
     scale, zero_point, dtype = output
     qmin, qmax = (0, 255) if within is None else (within.qmin, within.qmax)
-    if (rows >= ROW_LIMIT or post_op not in ("none", "relu") or dtype not in (torch.uint8, torch.float32)
+    if (rows > MAX_ROWS or post_op not in ("none", "relu") or dtype not in (torch.uint8, torch.float32)
             or qmin != 0 or not usable(in_qp) or not native.available(FAMILY)):
         return None
     plain = w.unpacked()

@@ -213,33 +213,45 @@ static int bad_gemm(const GemmWeights *w, const Requant *r) {
            r->zo < 0 || r->qmax < r->zo || r->qmax > 255;
 }
 
+/* What both few-row Linear entry points parse besides their requantization: the input and output rows, the row
+ * count, the weights, and the addresses that become their pointers (rows_ready). */
+typedef struct {
+    ByteRows x, out;
+    int64_t rows;
+    GemmWeights w;
+    unsigned long long x_addr, out_addr, addr[5];
+} RowsCall;
+
+/* 0 with the pointers set, or -1 with ValueError where the shapes, packing or zero points (in `r`) are bad. */
+static int rows_ready(const char *name, RowsCall *c, const Requant *r) {
+    if (c->rows < 0 || c->w.in_channels < 1 || bad_gemm(&c->w, r)) {
+        PyErr_Format(PyExc_ValueError, "%s: bad shape, packing or zero point", name);
+        return -1;
+    }
+    gemm_weights(&c->w, c->addr);
+    c->x.data = PTR(uint8_t, c->x_addr);
+    c->out.data = PTR(uint8_t, c->out_addr);
+    return 0;
+}
+
 /* linear_rows_u8((x_ptr, x_stride), rows, weights, (zx, zo, relu, qmax), (out_ptr, out_stride)) -> bool
  *
  * weights blocked by 64 channels (fxquant.native.amx_gemm.linear_rows_into): the AVX512-VNNI loop, else the AVX2
  * one. False (nothing written) without AVX2. */
 static PyObject *linear_rows_u8(PyObject *self, PyObject *args) {
-    unsigned long long x_addr, out_addr, addr[5];
-    ByteRows x, out;
-    int64_t rows;
-    GemmWeights w;
+    RowsCall c;
     Requant r;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KL)L(KKKKKLLL)(LLpL)(KL)", &x_addr, &x.stride, &rows, &addr[0], &addr[1], &addr[2],
-                          &addr[3], &addr[4], &w.in_channels, &w.n_pad, &w.out_channels, &r.zx, &r.zo, &r.relu,
-                          &r.qmax, &out_addr, &out.stride))
+    if (!PyArg_ParseTuple(args, "(KL)L(KKKKKLLL)(LLpL)(KL)", &c.x_addr, &c.x.stride, &c.rows, &c.addr[0], &c.addr[1],
+                          &c.addr[2], &c.addr[3], &c.addr[4], &c.w.in_channels, &c.w.n_pad, &c.w.out_channels, &r.zx,
+                          &r.zo, &r.relu, &r.qmax, &c.out_addr, &c.out.stride) ||
+        rows_ready("linear_rows_u8", &c, &r) < 0)
         return NULL;
-    if (rows < 0 || w.in_channels < 1 || bad_gemm(&w, &r)) {
-        PyErr_SetString(PyExc_ValueError, "linear_rows_u8: bad shape, packing or zero point");
-        return NULL;
-    }
     const int vnni = fxq_vnni_usable();
     if (!vnni && !fxq_avx2_usable())
         Py_RETURN_FALSE;
-    gemm_weights(&w, addr);
-    x.data = PTR(uint8_t, x_addr);
-    out.data = PTR(uint8_t, out_addr);
     Py_BEGIN_ALLOW_THREADS
-    (vnni ? fxq_linear_rows_u8 : fxq_linear_rows_u8_avx2)(&x, rows, &w, &r, &out);
+    (vnni ? fxq_linear_rows_u8 : fxq_linear_rows_u8_avx2)(&c.x, c.rows, &c.w, &r, &c.out);
     Py_END_ALLOW_THREADS
     Py_RETURN_TRUE;
 }
@@ -250,28 +262,21 @@ static PyObject *linear_rows_u8(PyObject *self, PyObject *args) {
  * linear_rows_u8's sums with oneDNN's requantization (OnednnRequant), on the AVX2 loop whatever the CPU has: exact on
  * 7-bit inputs, which the caller guarantees. out_stride in bytes. False (nothing written) without AVX2. */
 static PyObject *linear_rows_onednn(PyObject *self, PyObject *args) {
-    unsigned long long x_addr, out_addr, addr[5];
-    ByteRows x, out;
-    int64_t rows;
-    GemmWeights w;
+    RowsCall c;
     OnednnRequant r;
     (void)self;
-    if (!PyArg_ParseTuple(args, "(KL)L(KKKKKLLL)(LLppLf)(KL)", &x_addr, &x.stride, &rows, &addr[0], &addr[1],
-                          &addr[2], &addr[3], &addr[4], &w.in_channels, &w.n_pad, &w.out_channels, &r.zx, &r.zo,
-                          &r.relu, &r.float_out, &r.qmax, &r.dst_inv, &out_addr, &out.stride))
+    if (!PyArg_ParseTuple(args, "(KL)L(KKKKKLLL)(LLppLf)(KL)", &c.x_addr, &c.x.stride, &c.rows, &c.addr[0],
+                          &c.addr[1], &c.addr[2], &c.addr[3], &c.addr[4], &c.w.in_channels, &c.w.n_pad,
+                          &c.w.out_channels, &r.zx, &r.zo, &r.relu, &r.float_out, &r.qmax, &r.dst_inv, &c.out_addr,
+                          &c.out.stride))
         return NULL;
-    Requant range = {r.zx, r.zo, 0, r.qmax};
-    if (rows < 0 || w.in_channels < 1 || bad_gemm(&w, &range)) {
-        PyErr_SetString(PyExc_ValueError, "linear_rows_onednn: bad shape, packing or zero point");
+    const Requant range = {r.zx, r.zo, 0, r.qmax};
+    if (rows_ready("linear_rows_onednn", &c, &range) < 0)
         return NULL;
-    }
     if (!fxq_avx2_usable())
         Py_RETURN_FALSE;
-    gemm_weights(&w, addr);
-    x.data = PTR(uint8_t, x_addr);
-    out.data = PTR(uint8_t, out_addr);
     Py_BEGIN_ALLOW_THREADS
-    fxq_linear_rows_onednn_avx2(&x, rows, &w, &r, &out);
+    fxq_linear_rows_onednn_avx2(&c.x, c.rows, &c.w, &r, &c.out);
     Py_END_ALLOW_THREADS
     Py_RETURN_TRUE;
 }

@@ -96,11 +96,24 @@ __attribute__((target("avx2"), always_inline)) static inline void block_sums(con
     }
 }
 
+/* Stores eight channels' sums at col: n outputs (of size bytes each) at dst, requantized as `r` says. */
+typedef void (*Store8)(const GemmWeights *w, const void *r, const __m256i *acc, int64_t col, uint8_t *dst, int64_t n);
+
+__attribute__((target("avx2"))) static void store_fbgemm(const GemmWeights *w, const void *r, const __m256i *acc,
+                                                          int64_t col, uint8_t *dst, int64_t n) {
+    requantize8(w, (const Requant *)r, *acc, col, dst, n);
+}
+
+__attribute__((target("avx2"))) static void store_onednn(const GemmWeights *w, const void *r, const __m256i *acc,
+                                                          int64_t col, uint8_t *dst, int64_t n) {
+    onednn8(w, (const OnednnRequant *)r, *acc, col, dst, n);
+}
+
 /* The 64-channel blocks split over torch's threads (each output is one thread's, summed in one order: the bytes do
  * not depend on the thread count), each row in turn against a block: its weights stream from memory in order for
  * the first row and stay in L2 for the next. Groups past C_out summed zeros and are not stored. */
-__attribute__((target("avx2"))) void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w,
-                                                              const Requant *r, const ByteRows *out) {
+__attribute__((target("avx2"))) static void rows_loop(const ByteRows *x, int64_t rows, const GemmWeights *w,
+                                                       Store8 store, const void *r, const ByteRows *out, int64_t size) {
     const int64_t blocks = (w->n_pad + 63) / 64;
     FXQ_PARALLEL_FOR(w->n_pad * w->in_channels >= FXQ_PARALLEL_WORK)
     for (int64_t block = 0; block < blocks; block++)
@@ -108,21 +121,18 @@ __attribute__((target("avx2"))) void fxq_linear_rows_u8_avx2(const ByteRows *x, 
             __m256i acc[GROUPS];
             block_sums(w, x->data + row * x->stride, 64 * block, acc);
             for (int64_t g = 0, col = 64 * block; g < GROUPS && col < w->out_channels; g++, col += 8)
-                requantize8(w, r, acc[g], col, out->data + row * out->stride + col, w->out_channels - col);
+                store(w, r, &acc[g], col, out->data + row * out->stride + col * size, w->out_channels - col);
         }
 }
 
-__attribute__((target("avx2"))) void fxq_linear_rows_onednn_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w,
-                                                                  const OnednnRequant *r, const ByteRows *out) {
-    const int64_t blocks = (w->n_pad + 63) / 64, size = r->float_out ? (int64_t)sizeof(float) : 1;
-    FXQ_PARALLEL_FOR(w->n_pad * w->in_channels >= FXQ_PARALLEL_WORK)
-    for (int64_t block = 0; block < blocks; block++)
-        for (int64_t row = 0; row < rows; row++) {
-            __m256i acc[GROUPS];
-            block_sums(w, x->data + row * x->stride, 64 * block, acc);
-            for (int64_t g = 0, col = 64 * block; g < GROUPS && col < w->out_channels; g++, col += 8)
-                onednn8(w, r, acc[g], col, out->data + row * out->stride + col * size, w->out_channels - col);
-        }
+void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w, const Requant *r,
+                             const ByteRows *out) {
+    rows_loop(x, rows, w, store_fbgemm, r, out, 1);
+}
+
+void fxq_linear_rows_onednn_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w, const OnednnRequant *r,
+                                 const ByteRows *out) {
+    rows_loop(x, rows, w, store_onednn, r, out, r->float_out ? (int64_t)sizeof(float) : 1);
 }
 
 int fxq_avx2_usable(void) { return __builtin_cpu_supports("avx2"); }
