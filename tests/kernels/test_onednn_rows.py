@@ -161,3 +161,17 @@ def test_a_weight_held_in_the_loops_layout_reads_back_exactly(monkeypatch: pytes
         w.rows(torch.tensor([3, 70]))
     many = _run(held, layer.q_x, layer.in_qp, "uint8")  # 40 rows: oneDNN's primitive, from the weight read back
     assert torch.equal(many, _on_the_primitive(monkeypatch, layer, True, "uint8"))
+
+
+def test_the_loops_calls_on_one_weight_share_one_copy_of_its_layout() -> None:
+    """Packed without the input's qparams, the pack-time primitive holds the weight; the loop's calls on several row
+    counts make the loop's layout once, on the weight, and all read that copy."""
+    _require_the_loop()
+    layer = make_layer((3, 40), (24, 40), qrange=(0, 127), per_channel=True, bias=True, seed=7)
+    with loop_threads(onednn_rows.FAMILY):
+        packed = get_backend("onednn").prepack_linear(layer.q_w, layer.w_qp, layer.bias, in_qp=None)
+        assert packed.payload.row_layout is None and packed.payload.shared
+        for rows in (1, 3):
+            _run(packed, layer.q_x[:rows], layer.in_qp, "uint8")
+    loops = [call.loop for call in packed.payload.calls.values()]
+    assert len(loops) == 2 and all(loop.tensors[0] is packed.payload.row_layout for loop in loops)

@@ -63,8 +63,10 @@ def row_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Ou
     if (rows > MAX_ROWS or post_op not in ("none", "relu") or dtype not in (torch.uint8, torch.float32)
             or qmin != 0 or not usable(in_qp) or not native.available(FAMILY)):
         return None
-    plain = w.unpacked()
-    layout = w.row_layout if w.row_layout is not None else rows_layout(plain)
+    plain, layout = w.unpacked(), w.row_layout
+    if layout is None:  # one copy in the loop's layout per weight, whichever calls share it
+        layout = rows_layout(plain)
+        object.__setattr__(w, "row_layout", layout)
     n_pad = layout.shape[0] * 64
     x_scale, x_zp, bias = operands
     multipliers = torch.tensor(x_scale, dtype=torch.float32) * w.scale.float().reshape(-1).expand(w.out_channels)

@@ -59,7 +59,8 @@ class OnednnWeight:
     plain: torch.Tensor | None = None  # the int8 weight, contiguous, for primitives built directly (onednn_direct)
     shape: tuple[int, ...] = ()  # the int8 weight's
     shared: list[Any] = field(default_factory=list, compare=False)  # those owning their weights (one per layout)
-    # the int8 weight in the AVX2 row loop's layout, where a Linear keeps its only copy there (``_hold_alone``)
+    # the int8 weight in the AVX2 row loop's layout (``rows``): a Linear's only copy where ``_hold_alone`` put it
+    # there, else made for the first call the loop takes
     row_layout: torch.Tensor | None = field(default=None, compare=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
@@ -143,8 +144,9 @@ def _hold_alone(w: OnednnWeight, in_qp: QParams | None) -> None:
     """Reorder a Linear's weight into oneDNN's layout now and drop the plain copy, which would double the layer's
     int8 bytes. The layout is the one oneDNN picks for one row of input (a decode step; on an AVX512-VNNI CPU the same
     for 1 to 512 rows at one and two threads); later primitives use it, or reorder from a plain copy made back from
-    it (``onednn_direct._primitive``). Where the AVX2 row loop would run one row (:mod:`~fxquant.kernels.onednn.rows`:
-    7-bit inputs without VNNI), the weight goes into the loop's layout instead. The plain copy stays where no
+    it (``onednn_direct._primitive``). Where the AVX2 row loop would run one row
+    (:mod:`~fxquant.kernels.onednn.rows`: 7-bit inputs on a CPU with AVX2 alone), the weight goes into the loop's
+    layout instead. The plain copy stays where no
     primitive can be built, or where the reorder back does not give it exactly."""
     if w.plain is None:
         return
