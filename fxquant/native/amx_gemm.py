@@ -121,7 +121,7 @@ Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # int32 bias, float b
 
 
 def gemm_weights(weight: torch.Tensor, column_sums: torch.Tensor, factors: Factors,
-                  sizes: Triple) -> GemmWeights:
+                 sizes: Triple) -> GemmWeights:
     """``sizes``: in_channels, n_pad, out_channels."""
     int_bias, bias, multipliers = factors
     return GemmWeights(weight.data_ptr(), column_sums.data_ptr(), int_bias.data_ptr(), bias.data_ptr(),

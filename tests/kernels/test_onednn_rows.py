@@ -87,10 +87,10 @@ def test_the_loop_gives_the_primitives_bytes(monkeypatch: pytest.MonkeyPatch, k:
                        seed=rows * 100 + k)
     assert layer.in_qp.qmax == 127
     calls = _count_loop_calls(monkeypatch)
-    packed = get_backend("onednn").prepack_linear(layer.q_w, layer.w_qp, layer.bias,
-                                                  in_qp=layer.in_qp if folded else None)
-    assert (packed.payload.row_layout is not None) == folded  # packed for 7-bit inputs: held in the loop's layout
-    with loop_threads(onednn_rows.FAMILY):
+    with loop_threads(onednn_rows.FAMILY):  # (packing too: it holds the weight in the loop's layout where it runs)
+        packed = get_backend("onednn").prepack_linear(layer.q_w, layer.w_qp, layer.bias,
+                                                      in_qp=layer.in_qp if folded else None)
+        assert (packed.payload.row_layout is not None) == folded  # packed for 7-bit inputs: in the loop's layout
         mine = _run(packed, layer.q_x, layer.in_qp, output)
         theirs = _on_the_primitive(monkeypatch, layer, folded, output)
     assert calls == [1], "the row loop did not run: the test would compare the primitive with itself"
@@ -107,8 +107,8 @@ def test_saturated_sums_stay_at_the_top_of_the_range(monkeypatch: pytest.MonkeyP
     layer = dataclasses.replace(layer, q_x=torch.full((2, 1000), 127, dtype=torch.uint8), q_w=weight,
                                 in_qp=QParams(torch.tensor(0.05), torch.tensor(0), 0, 127))
     calls = _count_loop_calls(monkeypatch)
-    packed = get_backend("onednn").prepack_linear(layer.q_w, layer.w_qp, None, in_qp=layer.in_qp)
     with loop_threads(onednn_rows.FAMILY):
+        packed = get_backend("onednn").prepack_linear(layer.q_w, layer.w_qp, None, in_qp=layer.in_qp)
         mine = _run(packed, layer.q_x, layer.in_qp, "uint8")
         theirs = _on_the_primitive(monkeypatch, layer, True, "uint8")
     assert calls == [1]
@@ -118,9 +118,10 @@ def test_saturated_sums_stay_at_the_top_of_the_range(monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("case", ["33 rows", "8-bit inputs", "fused SiLU", "above the thread limit"])
 def test_the_primitive_keeps_what_the_loop_does_not_take(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
-    """Above :data:`MAX_ROWS` rows the loop was not measured faster; 8-bit inputs would saturate the loop's 16-bit pair
-    sums; a unary post-op other than ReLU is oneDNN's to compute; above the family's thread limit the primitive's
-    split over torch's threads wins. Each runs the primitive, with the same result as with the loop declined."""
+    """Above :data:`MAX_ROWS` rows oneDNN's GEMM keeps the call (the loop's gain falls under 5% there); 8-bit inputs
+    would saturate the loop's 16-bit pair sums; a unary post-op other than ReLU is oneDNN's to compute; above the
+    family's thread limit (not measured there) the primitive splits the layer over torch's threads. Each runs the
+    primitive, with the same result as with the loop declined."""
     _require_the_loop()
     rows = onednn_rows.MAX_ROWS + 1 if case == "33 rows" else 2
     qrange = (0, 255) if case == "8-bit inputs" else (0, 127)

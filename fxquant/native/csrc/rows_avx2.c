@@ -1,7 +1,8 @@
 /* linear_rows_u8_avx2: a Linear on a few rows as fbgemm computes it, on AVX2 alone - the few-row loop of CPUs without
  * VNNI (amx_gemm.c has the VNNI one), where fbgemm's own kernel reads each weight byte for a single row through
  * its general GEMM. linear_rows_onednn_avx2: the same sums with oneDNN's requantization, for the onednn backend's
- * few-row Linears on such CPUs, where oneDNN's matmul primitive takes 2-3x the loop's time (docs/backends.md).
+ * few-row Linears on such CPUs, where oneDNN's matmul primitive takes 1.05-2.1x the loop's time on 1 to 32 rows
+ * (docs/backends.md).
  *
  * vpmaddubsw sums each pair of u8*s8 products (inputs 2j, 2j + 1) in 16 bits, saturating, and vpmaddwd against ones
  * sums those pairs in 32 bits: exact where the inputs are 7-bit (2 * 127 * 128 < 32767), as fxquant's fbgemm qparams
@@ -11,8 +12,8 @@
  * sums in eight accumulators (of AVX2's sixteen registers), the block's bytes read in order: tiles of several rows
  * x fewer channels read the block in strides, which measured slower once other layers had evicted it from the
  * caches (docs/amx.md). The requantization is the VNNI loop's (conv_requantize), on eight channels, or oneDNN's
- * (OnednnRequant). Arguments arrive
- * checked (module.c), which asks fxq_avx2_usable first; runs without the GIL.
+ * (OnednnRequant). Arguments arrive checked (module.c), which asks fxq_avx2_usable first; runs without the
+ * GIL.
  */
 #include <stdint.h>
 #include <string.h>
@@ -96,43 +97,39 @@ __attribute__((target("avx2"), always_inline)) static inline void block_sums(con
     }
 }
 
-/* Stores eight channels' sums at col: n outputs (of size bytes each) at dst, requantized as `r` says. */
-typedef void (*Store8)(const GemmWeights *w, const void *r, const __m256i *acc, int64_t col, uint8_t *dst, int64_t n);
-
-__attribute__((target("avx2"))) static void store_fbgemm(const GemmWeights *w, const void *r, const __m256i *acc,
-                                                          int64_t col, uint8_t *dst, int64_t n) {
-    requantize8(w, (const Requant *)r, *acc, col, dst, n);
-}
-
-__attribute__((target("avx2"))) static void store_onednn(const GemmWeights *w, const void *r, const __m256i *acc,
-                                                          int64_t col, uint8_t *dst, int64_t n) {
-    onednn8(w, (const OnednnRequant *)r, *acc, col, dst, n);
-}
-
 /* The 64-channel blocks split over torch's threads (each output is one thread's, summed in one order: the bytes do
  * not depend on the thread count), each row in turn against a block: its weights stream from memory in order for
- * the first row and stay in L2 for the next. Groups past C_out summed zeros and are not stored. */
-__attribute__((target("avx2"))) static void rows_loop(const ByteRows *x, int64_t rows, const GemmWeights *w,
-                                                       Store8 store, const void *r, const ByteRows *out, int64_t size) {
+ * the first row and stay in L2 for the next. Groups past C_out summed zeros and are not stored. Inlined into each
+ * caller with `onednn` a constant, so the accumulators stay in registers (through a function pointer per group
+ * they went to the stack: 10-14% slower on 16 and 32 rows). */
+__attribute__((target("avx2"), always_inline)) static inline void rows_loop(const ByteRows *x, int64_t rows,
+                                                                           const GemmWeights *w, const int onednn,
+                                                                           const void *r, const ByteRows *out) {
     const int64_t blocks = (w->n_pad + 63) / 64;
+    const int64_t size = onednn && ((const OnednnRequant *)r)->float_out ? (int64_t)sizeof(float) : 1;
     FXQ_PARALLEL_FOR(w->n_pad * w->in_channels >= FXQ_PARALLEL_WORK)
     for (int64_t block = 0; block < blocks; block++)
         for (int64_t row = 0; row < rows; row++) {
             __m256i acc[GROUPS];
             block_sums(w, x->data + row * x->stride, 64 * block, acc);
-            for (int64_t g = 0, col = 64 * block; g < GROUPS && col < w->out_channels; g++, col += 8)
-                store(w, r, &acc[g], col, out->data + row * out->stride + col * size, w->out_channels - col);
+            uint8_t *dst = out->data + row * out->stride;
+            for (int64_t g = 0, col = 64 * block; g < GROUPS && col < w->out_channels; g++, col += 8) {
+                if (onednn)
+                    onednn8(w, (const OnednnRequant *)r, acc[g], col, dst + col * size, w->out_channels - col);
+                else
+                    requantize8(w, (const Requant *)r, acc[g], col, dst + col, w->out_channels - col);
+            }
         }
 }
 
-void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w, const Requant *r,
-                             const ByteRows *out) {
-    rows_loop(x, rows, w, store_fbgemm, r, out, 1);
+__attribute__((target("avx2"))) void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w,
+                                                              const Requant *r, const ByteRows *out) {
+    rows_loop(x, rows, w, 0, r, out);
 }
 
-void fxq_linear_rows_onednn_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w, const OnednnRequant *r,
-                                 const ByteRows *out) {
-    rows_loop(x, rows, w, store_onednn, r, out, r->float_out ? (int64_t)sizeof(float) : 1);
+__attribute__((target("avx2"))) void fxq_linear_rows_onednn_avx2(const ByteRows *x, int64_t rows, const GemmWeights *w,
+                                                                  const OnednnRequant *r, const ByteRows *out) {
+    rows_loop(x, rows, w, 1, r, out);
 }
 
 int fxq_avx2_usable(void) { return __builtin_cpu_supports("avx2"); }
