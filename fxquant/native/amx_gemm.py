@@ -197,7 +197,7 @@ def rows_layout(weight: torch.Tensor) -> torch.Tensor:
 def rows_of_layout(layout: torch.Tensor, outputs: torch.Tensor, in_channels: int) -> torch.Tensor:
     """The plain int8 rows ``outputs`` (1-d indices) of a weight in :func:`rows_layout`'s layout (a new tensor)."""
     picked = layout[outputs.div(64, rounding_mode="floor"), :, outputs % 64, :]  # (len(outputs), C_in / 4, 4)
-    return picked.reshape(len(outputs), -1)[:, :in_channels].contiguous()
+    return picked.reshape(len(outputs), layout.shape[1] * 4)[:, :in_channels].contiguous()
 
 
 class OnednnRows:

@@ -158,6 +158,7 @@ def test_a_weight_held_in_the_loops_layout_reads_back_exactly(monkeypatch: pytes
     assert torch.equal(w.unpacked(), layer.q_w)
     outputs = torch.tensor([69, 0, 64, 64, 5, 47, 48])
     assert torch.equal(w.rows(outputs), layer.q_w.index_select(0, outputs))
+    assert w.rows(outputs[:0]).shape == (0, 33)
     with pytest.raises(IndexError):
         w.rows(torch.tensor([3, 70]))
     many = _run(held, layer.q_x, layer.in_qp, "uint8")  # 40 rows: oneDNN's primitive, from the weight read back
