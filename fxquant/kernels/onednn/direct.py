@@ -95,7 +95,7 @@ def _strides(shape: tuple[int, ...], memory_format: torch.memory_format) -> list
     return list(torch.empty(shape, dtype=torch.uint8, device="meta", memory_format=memory_format).stride())
 
 
-def _uint8_input(a: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
+def uint8_input(a: torch.Tensor, memory_format: torch.memory_format) -> torch.Tensor:
     """``a`` laid out as the primitive reads it; the primitive reads raw bytes, so another dtype is refused here."""
     if a.dtype is not torch.uint8:
         raise TypeError(f"oneDNN int8 layers take uint8 activations, got {a.dtype}")
@@ -157,7 +157,7 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
     run, empty, dtype = primitive.run, torch.empty_strided, output[2]
 
     def call(a: torch.Tensor) -> torch.Tensor:
-        a = _uint8_input(a, memory_format)
+        a = uint8_input(a, memory_format)
         out = empty(out_shape, out_strides, dtype=dtype)
         run(a.data_ptr(), out.data_ptr())
         recording.record(run, a.data_ptr(), out)
@@ -166,7 +166,7 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
     def call_sum(a: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
         # oneDNN reads the accumulator from the destination and overwrites it, as the torch op does (the graph copies
         # an accumulator that is read later: QuantizedConvAdd2d.clone_accum)
-        a, out = _uint8_input(a, memory_format), _uint8_input(accum, memory_format)  # held: run() reads them
+        a, out = uint8_input(a, memory_format), uint8_input(accum, memory_format)  # held: run() reads them
         run(a.data_ptr(), out.data_ptr())
         recording.record(run, a.data_ptr(), out)
         return out
@@ -194,7 +194,7 @@ def linear(weight: Weight, out_features: int, scales: torch.Tensor, bias: torch.
     run, empty, dtype, out_shape = primitive.run, torch.empty, output[2], (*rows, out_features)
 
     def call(a: torch.Tensor) -> torch.Tensor:
-        a = _uint8_input(a, torch.contiguous_format)
+        a = uint8_input(a, torch.contiguous_format)
         out = empty(out_shape, dtype=dtype)
         run(a.data_ptr(), out.data_ptr())
         recording.record(run, a.data_ptr(), out)

@@ -25,7 +25,7 @@ import torch
 
 from fxquant import native
 from fxquant.kernels import recording
-from fxquant.kernels.onednn.direct import Output
+from fxquant.kernels.onednn.direct import Output, uint8_input
 from fxquant.native.amx_gemm import OnednnRequant, OnednnRows, rows_layout
 from fxquant.native.isa import has_avx2, has_avx512, has_vnni
 from fxquant.qparams import QParams
@@ -63,11 +63,12 @@ def row_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Ou
     if (rows > MAX_ROWS or post_op not in ("none", "relu") or dtype not in (torch.uint8, torch.float32)
             or qmin != 0 or not usable(in_qp) or not native.available(FAMILY)):
         return None
-    plain, layout = w.unpacked(), w.row_layout
+    layout = w.row_layout
     if layout is None:  # one copy in the loop's layout per weight, whichever calls share it
-        layout = rows_layout(plain)
+        layout = rows_layout(w.unpacked())
         object.__setattr__(w, "row_layout", layout)
     n_pad = layout.shape[0] * 64
+    column_sums = layout.sum((1, 3), dtype=torch.int32).reshape(n_pad)  # (the padding's zeros sum to 0)
     x_scale, x_zp, bias = operands
     multipliers = torch.tensor(x_scale, dtype=torch.float32) * w.scale.float().reshape(-1).expand(w.out_channels)
     factors = (torch.zeros(n_pad, dtype=torch.int32),
@@ -76,14 +77,12 @@ def row_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Ou
     float_out = dtype is torch.float32
     dst_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
     requant = OnednnRequant(x_zp, zero_point, post_op == "relu", float_out, qmax, dst_inv)
-    run = OnednnRows(rows, (shape[-1], w.out_channels * (4 if float_out else 1)), layout,
-                     _padded(plain.sum(1, dtype=torch.int32), n_pad), factors, (shape[-1], w.out_channels), requant)
+    run = OnednnRows(rows, (shape[-1], w.out_channels * (4 if float_out else 1)), layout, column_sums, factors,
+                     (shape[-1], w.out_channels), requant)
     out_shape, empty = (*shape[:-1], w.out_channels), torch.empty
 
     def call(a: torch.Tensor) -> torch.Tensor:
-        if a.dtype is not torch.uint8:
-            raise TypeError(f"oneDNN int8 layers take uint8 activations, got {a.dtype}")
-        a = a.contiguous()
+        a = uint8_input(a, torch.contiguous_format)
         out = empty(out_shape, dtype=dtype)
         run(a.data_ptr(), out.data_ptr())
         recording.record(run, a.data_ptr(), out)
