@@ -220,3 +220,10 @@ class OnednnRows:
         rows, weights, requant = self.args
         if not self.entry(ByteRows(x, self.strides[0]), rows, weights, requant, ByteRows(out, self.strides[1])):
             raise RuntimeError("linear_rows_onednn: this CPU has no AVX2 (the caller checks isa.has_avx2 first)")
+
+
+def padded(values: torch.Tensor, size: int) -> torch.Tensor:
+    """``values`` followed by zeros, ``size`` in all (the padding channels the loops sum and never store)."""
+    out = torch.zeros(size, dtype=values.dtype)
+    out[:values.numel()] = values.reshape(-1)
+    return out

@@ -50,7 +50,7 @@ if loops is not None:
 # the attention loops: their work items (a head and 8 query rows each for the causal loop, dealt round robin; a
 # head and 32 rows for the full one, split evenly) go to all of torch's threads, as torch's flash attention splits
 # the same heads and rows.
-THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "avx2_linear": 2, "onednn_linear": 2,
+THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "avx2_linear": 2, "onednn_linear": 2, "onednn_winograd": 2,
                  "upsample": 1, "elementwise": 2, "histogram": 4, "weight_only": 2, "int8_rows": 2,
                  "int8_groups": sys.maxsize, "attention": sys.maxsize}
 

@@ -1,4 +1,5 @@
-"""One oneDNN Linear/Conv call for one input shape: fxquant's own primitive, else the torch op.
+"""One oneDNN Linear/Conv call for one input shape: fxquant's own primitive (or, on CPUs with AVX2 alone, its row
+loop or Winograd conv), else the torch op.
 
 Each ``bind_*`` function decides, once per input shape and qparams (:func:`fxquant.kernels.onednn.weights.bound`
 keeps the result), which kernel runs, with which weight and arguments, and what clamp follows it. fxquant's
@@ -16,6 +17,7 @@ import torch
 from fxquant.kernels.base import ConvAddQParams
 from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.onednn import rows as onednn_rows
+from fxquant.kernels.onednn import winograd as onednn_winograd
 from fxquant.kernels.onednn.direct import Output
 from fxquant.kernels.onednn.post_ops import (
     POST_OPS,
@@ -51,6 +53,9 @@ def bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: O
         shape = (shape[0], shape[1], 1, *shape[2:])
     if needs_workaround(shape, w):
         return lambda a: padded_conv(a, w, in_qp, output, post_op, within)
+    winograd = onednn_winograd.conv_call(w, shape, in_qp, output, post_op, within, (x_scale, x_zp, bias))
+    if winograd:
+        return winograd
     plain = direct_weight(w)  # a conv keeps its plain weight (only a Linear's primitives hold theirs alone)
     direct = isinstance(plain, torch.Tensor) and onednn_direct.conv(plain, w.scale, bias, spec, shape,
                                                                     out_shape(shape, w, spec.padding),
@@ -105,6 +110,10 @@ def bind_conv_add(w: OnednnWeight, shape: tuple[int, ...], accum: torch.Tensor, 
         return None
     (x_scale, x_zp, bias), (out_scale, out_zp), (acc_scale, acc_zp) = operands(w, qps.input), qps.out.scalar(), \
         qps.accum.scalar()
+    winograd = onednn_winograd.conv_call(w, shape, qps.input, uint8_output(qps.out), relu_post_op(relu), qps.out,
+                                         (x_scale, x_zp, bias), accum_qp=(acc_scale, acc_zp))
+    if winograd:
+        return winograd
     plain = direct_weight(w)  # a conv keeps its plain weight (only a Linear's primitives hold theirs alone)
     direct = isinstance(plain, torch.Tensor) and onednn_direct.conv(plain, w.scale, bias, spec, shape,
                                                                     tuple(accum.shape), (x_scale, x_zp),

@@ -26,7 +26,7 @@ import torch
 from fxquant import native
 from fxquant.kernels import recording
 from fxquant.kernels.onednn.direct import Output, uint8_input
-from fxquant.native.amx_gemm import OnednnRequant, OnednnRows, rows_layout
+from fxquant.native.amx_gemm import OnednnRequant, OnednnRows, padded, rows_layout
 from fxquant.native.isa import has_avx2, has_avx512, has_vnni
 from fxquant.qparams import QParams
 
@@ -72,8 +72,8 @@ def row_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Ou
     x_scale, x_zp, bias = operands
     multipliers = torch.tensor(x_scale, dtype=torch.float32) * w.scale.float().reshape(-1).expand(w.out_channels)
     factors = (torch.zeros(n_pad, dtype=torch.int32),
-               _padded(torch.zeros(w.out_channels) if bias is None else bias.float(), n_pad),
-               _padded(multipliers, n_pad))
+               padded(torch.zeros(w.out_channels) if bias is None else bias.float(), n_pad),
+               padded(multipliers, n_pad))
     float_out = dtype is torch.float32
     dst_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
     requant = OnednnRequant(x_zp, zero_point, post_op == "relu", float_out, qmax, dst_inv)
@@ -91,9 +91,3 @@ def row_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Ou
     call.loop = run  # type: ignore[attr-defined]  # (as onednn_direct's calls carry their primitive)
     return call
 
-
-def _padded(values: torch.Tensor, size: int) -> torch.Tensor:
-    """``values`` followed by zeros, ``size`` in all (the padding channels the loop sums and never stores)."""
-    out = torch.zeros(size, dtype=values.dtype)
-    out[:values.numel()] = values.reshape(-1)
-    return out

@@ -62,6 +62,8 @@ class OnednnWeight:
     # the int8 weight in the AVX2 row loop's layout (``rows``): a Linear's only copy where ``_hold_alone`` put it
     # there, else made for the first call the loop takes
     row_layout: torch.Tensor | None = field(default=None, compare=False)
+    # a 3x3 conv's weight transformed for the Winograd kernel (``winograd``), made for the first call it takes
+    winograd: torch.Tensor | None = field(default=None, compare=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
         # The packed tensors are opaque (no storage to copy) and never modified after packing, so copies share them.

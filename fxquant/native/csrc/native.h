@@ -14,8 +14,10 @@
  *   attention.c   causal_attention_f32: a decoder's causal attention in float32 (fxquant/native/attention.py)
  *   full_attention.c full_attention_f32: attention over every key, with a mask, in float32 (the same wrapper)
  *   pool.c        max_pool_u8: a 2-d max pool of channels-last uint8 activations (fxquant/native/elementwise.py)
+ *   winograd_avx2.c conv3x3_onednn: a 3x3 conv as Winograd F(2x2, 3x3) in exact integers on AVX2, with oneDNN's
+ *                 requantization (fxquant/native/winograd.py)
  * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share; exp2.h: the attention
- * loops' 2^x)
+ * loops' 2^x; onednn_requant.h: oneDNN's requantization, for rows_avx2.c and winograd_avx2.c)
  * Each struct is one Python tuple of the same fields in the same order (fxquant/native/_native.pyi), and each kernel
  * gives the bytes of the torch or engine path it replaces (the tests compare them with torch.equal). setup.py
  * builds with -ffp-contract=off: no fused multiply-adds, so each float operation rounds where torch's does.
@@ -190,6 +192,13 @@ typedef struct {
     float dst_inv;
 } OnednnRequant;
 
+/* oneDNN's sum post-op: the destination's bytes before the layer, times scale after the zero point's removal, join
+ * the float result before the ReLU (a conv + add fused). */
+typedef struct {
+    float scale;
+    int64_t zero_point;
+} OnednnSum;
+
 /* (N, D, H, W, C) bytes, channels at stride 1: strides of the (N, D, H, W) dimensions in bytes. */
 typedef struct {
     const uint8_t *data;
@@ -248,6 +257,31 @@ FXQ_INTERNAL void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const
  * in bytes, float32 outputs with float_out. Only where fxq_avx2_usable(). */
 FXQ_INTERNAL void fxq_linear_rows_onednn_avx2(const ByteRows *x, int64_t rows, const GemmWeights *weights,
                                              const OnednnRequant *requant, const ByteRows *out);
+
+/* ---- winograd_avx2.c ---- */
+
+/* A 3x3 conv of stride 1, dilation 1 and one group on channels-last uint8 (n, h, w, c), contiguous, padded by
+ * (pad_h, pad_w) with the zero point zx. */
+typedef struct {
+    const uint8_t *data;
+    int64_t n, h, w, c, pad_h, pad_w, zx;
+} WinoInput;
+
+/* Its weights transformed for Winograd F(2x2, 3x3): u = (2G) g (2G)^T, int16, laid out (16, k16 / 16, c16 / 2, 16,
+ * 2): for each of the 16 points, blocks of 16 outputs x 2 inputs per 64 bytes (zeros past c and out_channels);
+ * mult (s_x * s_w) and bias per output, k16 floats each. */
+typedef struct {
+    const int16_t *u;
+    const float *mult, *bias;
+    int64_t c16, k16, out_channels;
+} WinoWeights;
+
+/* The conv's int32 sums (exact: the same integers as oneDNN's, for c up to 1827 channels of 8-bit inputs) requantized
+ * as oneDNN's primitive (fxq_onednn_store8) into the channels-last uint8 output (n, out_h, out_w, out_channels), the
+ * sum post-op's accumulator read from it where `sum` is not NULL. Only where fxq_avx2_usable(). -1: no memory for
+ * the scratch (some outputs not written), else 0. */
+FXQ_INTERNAL int fxq_conv3x3_winograd_avx2(const WinoInput *x, const WinoWeights *w, const OnednnRequant *r,
+                                           const OnednnSum *sum, uint8_t *out, int64_t out_h, int64_t out_w);
 /* Only where fxq_vnni_usable(); amx: fxq_amx_usable(), read with the GIL. */
 FXQ_INTERNAL void fxq_patches_u8(const PatchInput *x, const PatchWeights *weights, const PatchRequant *requant,
                                  const PatchOutput *out, const int64_t kernel[2], int amx);

@@ -23,6 +23,8 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
+#include "onednn_requant.h"
+
 #define GROUPS 8 /* of eight output channels: a 64-channel block */
 
 /* the VNNI loop's requantization of eight channels' sums at col, saturated to [relu ? zo : 0, qmax]; n stored */
@@ -53,24 +55,7 @@ __attribute__((target("avx2"), always_inline)) static inline void onednn8(
     const GemmWeights *w, const OnednnRequant *r, const __m256i acc, const int64_t col, uint8_t *dst, const int64_t n) {
     const __m256i offset = _mm256_mullo_epi32(_mm256_set1_epi32((int)r->zx),
                                               _mm256_loadu_si256((const __m256i *)(w->colsum + col)));
-    __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc, offset)), _mm256_loadu_ps(w->mult + col));
-    f = _mm256_add_ps(f, _mm256_loadu_ps(w->bias + col)); /* not fused: oneDNN multiplies, then adds */
-    if (r->relu)
-        f = _mm256_max_ps(f, _mm256_setzero_ps());
-    if (r->float_out) {
-        float values[8];
-        _mm256_storeu_ps(values, f);
-        memcpy(dst, values, sizeof(float) * (size_t)(n < 8 ? n : 8));
-        return;
-    }
-    /* saturated in float before the conversion, as oneDNN saturates (a sum beyond int32 stays qmax) */
-    f = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(r->dst_inv)), _mm256_set1_ps((float)r->zo));
-    f = _mm256_min_ps(_mm256_max_ps(f, _mm256_setzero_ps()), _mm256_set1_ps((float)r->qmax));
-    const __m256i q = _mm256_cvtps_epi32(f);
-    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-    uint8_t bytes[16];
-    _mm_storeu_si128((__m128i *)bytes, _mm_packus_epi16(words, words));
-    memcpy(dst, bytes, (size_t)(n < 8 ? n : 8));
+    fxq_onednn_store8(_mm256_sub_epi32(acc, offset), w->mult + col, w->bias + col, r, NULL, dst, n);
 }
 
 /* One row's sums against one block of 64 output channels from col0: eight groups of eight in eight accumulators,

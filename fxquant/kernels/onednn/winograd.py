@@ -1,0 +1,95 @@
+"""The onednn backend's 3x3 convs of stride 1 as Winograd F(2x2, 3x3), on CPUs with AVX2 alone.
+
+Without VNNI every int8 kernel is bound by its multiplies: oneDNN's sums pairs of u8*s8 products with
+``vpmaddubsw`` then ``vpmaddwd``, two multiply instructions per 32 products. Winograd F(2x2, 3x3) computes a 2x2
+tile of outputs with 16 products per input channel instead of 36, on transformed inputs and weights that fit int16,
+and ``vpmaddwd`` alone multiplies 16 int16 pairs at about the rate of oneDNN's pair (measured: 16.6 against 18.2
+GMAC/s on an AMD EPYC Zen 1); the transforms are additions. On that CPU a 3x3 layer takes about half oneDNN's time
+(docs/backends.md, "3x3 convs as Winograd F(2x2, 3x3)"). The kernel's integer sums are oneDNN's exactly (the
+transforms are integer, and the output transform's result, 4x the direct sum, is divided exactly), and it
+requantizes as oneDNN's primitive does (``fxquant/native/csrc/onednn_requant.h``): the same bytes as the primitive,
+sum post-op included (tests/kernels/test_onednn_winograd.py).
+
+A conv takes it where AVX2 is the highest instruction set fxquant may use and the input is 7-bit (the row loop's
+:func:`~fxquant.kernels.onednn.rows.usable`: with VNNI oneDNN's kernel multiplies four bytes per instruction, and
+Winograd's int16 products would lose), the layer is a 2-d 3x3 conv of stride 1, dilation 1, one group and padding
+of at most 2, on at most :data:`MAX_CHANNELS` input channels, with a uint8 output (a ReLU and the sum post-op
+fused, a range from 0), and torch's thread count is within ``native.THREAD_LIMITS["onednn_winograd"]``. A call is an
+:data:`~fxquant.kernels.recording.AddressCall`, so a replayed run holds it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from fxquant import native
+from fxquant.kernels import recording
+from fxquant.kernels.onednn.direct import Output, uint8_input
+from fxquant.kernels.onednn.rows import usable
+from fxquant.native.amx_gemm import OnednnRequant
+from fxquant.native.winograd import OnednnWinograd, transformed_weight
+from fxquant.qparams import QParams
+
+if TYPE_CHECKING:
+    from fxquant.kernels.onednn.weights import Call, OnednnWeight
+
+FAMILY = "onednn_winograd"  # its thread limit in native.THREAD_LIMITS
+MAX_CHANNELS = 1024  # the kernel's int32 sums are exact to 1827 input channels of 8-bit inputs; a round bound below
+
+
+def takes(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams) -> bool:
+    """Whether the kernel can run this layer on inputs of ``shape`` (N, C, H, W) and ``in_qp`` now (the output
+    aside)."""
+    spec = w.spec
+    return (spec is not None and spec.dim == 2 and not w.height_one and not spec.transposed and len(shape) == 4
+            and w.kernel == (3, 3) and spec.stride == (1, 1) and spec.dilation == (1, 1) and spec.groups == 1
+            and max(spec.padding) <= 2 and shape[1] <= MAX_CHANNELS and w.plain is not None
+            and min(size + 2 * pad - 2 for size, pad in zip(shape[2:], spec.padding, strict=True)) >= 1
+            and usable(in_qp) and native.available(FAMILY))
+
+
+def conv_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Output, post_op: str,
+              within: QParams | None, operands: tuple[float, int, torch.Tensor | None],
+              accum_qp: tuple[float, int] | None = None) -> Call | None:
+    """The conv on inputs of ``shape`` by the Winograd kernel as ``f(a)`` (``f(a, accum)`` with ``accum_qp``, the
+    sum post-op's scale and zero point: the accumulator is overwritten, as oneDNN's primitive does), or None where
+    the primitive should run it (see the module docstring); ``output``, ``post_op`` and ``within`` as for
+    ``calls.bind_conv``, ``operands`` as for ``rows.row_call``."""
+    scale, zero_point, dtype = output
+    qmin, qmax = (0, 255) if within is None else (within.qmin, within.qmax)
+    if dtype is not torch.uint8 or post_op not in ("none", "relu") or qmin != 0 or not takes(w, shape, in_qp):
+        return None
+    assert w.spec is not None and w.plain is not None
+    layout = w.winograd
+    if layout is None:  # one transformed copy per weight, whichever calls share it
+        layout = transformed_weight(w.plain)
+        object.__setattr__(w, "winograd", layout)
+    x_scale, x_zp, bias = operands
+    k = w.out_channels
+    multipliers = torch.tensor(x_scale, dtype=torch.float32) * w.scale.float().reshape(-1).expand(k)
+    dst_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
+    requant = OnednnRequant(0, zero_point, post_op == "relu", False, qmax, dst_inv)
+    padding = (w.spec.padding[0], w.spec.padding[1])
+    run = OnednnWinograd(shape, padding, x_zp, layout, multipliers,
+                         torch.zeros(k) if bias is None else bias.float(), k, requant, accum_qp)
+    out_shape = (shape[0], k, *run.out_size)
+    empty, channels_last = torch.empty, torch.channels_last
+
+    def call(a: torch.Tensor) -> torch.Tensor:
+        a = uint8_input(a, channels_last)
+        out = empty(out_shape, dtype=torch.uint8, memory_format=channels_last)
+        run(a.data_ptr(), out.data_ptr())
+        recording.record(run, a.data_ptr(), out)
+        return out
+
+    def call_sum(a: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
+        a, out = uint8_input(a, channels_last), uint8_input(accum, channels_last)
+        run(a.data_ptr(), out.data_ptr())
+        recording.record(run, a.data_ptr(), out)
+        return out
+
+    chosen = call if accum_qp is None else call_sum
+    chosen.loop = run  # type: ignore[union-attr]  # (as onednn_direct's calls carry their primitive)
+    return chosen
