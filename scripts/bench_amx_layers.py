@@ -8,7 +8,8 @@ the ratio holds on a noisy machine. The loops run on one thread, and only up to 
 2**20 multiply-adds and the VNNI row loop below, or with VNNI but no AMX the row loop where ``NativeConv.takes``
 says; with AVX2 alone, fbgemm's Linears take the AVX2 row loop within the same limits, and so do the onednn
 backend's up to ``fxquant.kernels.onednn.rows.MAX_ROWS`` rows (against oneDNN's matmul primitive, which fxquant
-builds for the same layer). Tables: ``docs/amx.md`` and, for onednn, ``docs/backends.md``.
+builds for the same layer), and its 3x3 convs of stride 1 take the Winograd kernel (``fxquant.kernels.onednn.winograd``,
+against oneDNN's conv primitive). Tables: ``docs/amx.md`` and, for onednn, ``docs/backends.md``.
 
     python scripts/bench_amx_layers.py [--threads N] [--budget SECONDS]
 """
@@ -23,8 +24,9 @@ from typing import Any
 import torch
 
 from fxquant import native
-from fxquant.kernels.base import Backend, ConvSpec
+from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
 from fxquant.kernels.onednn import rows as onednn_rows
+from fxquant.kernels.onednn import winograd as onednn_winograd
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.kernels.torch_engines.amx_conv import NativeConv
 from fxquant.native.isa import cpu_model, has_amx_int8, has_avx2, isa_level
@@ -45,6 +47,8 @@ SEVEN_BIT_QPS = (QParams(torch.tensor(0.02), torch.tensor(10), 0, 127),  # onedn
 ONEDNN_LINEARS = [(1024, 1024, rows) for rows in (1, 2, 4, 8, 16, 32, 48, 64)] + [
     (768, 3072, rows) for rows in (1, 4, 8, 16, 32, 64)] + [(3072, 768, rows) for rows in (1, 4, 8, 16, 32, 64)] + [
     (512, 1000, 1)]
+ONEDNN_CONVS = [(c, size, batch) for batch in (1, 32) for c, size in ((64, 56), (128, 28), (256, 14), (512, 7))] + [
+    (16, 64, 8), (32, 112, 1)]  # (channels, input size, batch): ResNet-18's 3x3 layers of stride 1, two smaller ones
 
 
 def _weight_qp(channels: int) -> QParams:
@@ -72,20 +76,38 @@ def _linear(backend: Backend, k: int, n: int, rows: int) -> tuple[Callable[[], A
 
 
 def _onednn_linear(k: int, n: int, rows: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
-    """The onednn backend's Linear with the row loop, and on the same layer's primitive (bound with the loop
-    declined: the binding is made once, on the first call)."""
+    """The onednn backend's Linear with the row loop, and on the same layer's primitive."""
     backend, (in_qp, out_qp) = get_backend("onednn"), SEVEN_BIT_QPS
     a = backend.quantize(torch.randn(rows, k), in_qp)
     weight, w_qp, bias = torch.randint(-128, 128, (n, k)).to(torch.int8), _weight_qp(n), torch.randn(n)
-    packed = backend.prepack_linear(weight, w_qp, bias, in_qp=in_qp)
-    on_primitive = backend.prepack_linear(weight, w_qp, bias, in_qp=in_qp)
-    declined, onednn_rows.row_call = onednn_rows.row_call, lambda *args: None
+    return _onednn_pair(onednn_rows, "row_call", lambda: backend.prepack_linear(weight, w_qp, bias, in_qp=in_qp),
+                        lambda packed: backend.linear(a, packed, in_qp, out_qp, relu=True))
+
+
+def _onednn_conv(c: int, size: int, batch: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The onednn backend's 3x3 conv (c -> c, padding 1) with the Winograd kernel, and on the same layer's
+    primitive."""
+    backend, (in_qp, out_qp) = get_backend("onednn"), SEVEN_BIT_QPS
+    a = backend.quantize(torch.randn(batch, c, size, size), in_qp).contiguous(memory_format=torch.channels_last)
+    weight, w_qp, bias = torch.randint(-128, 128, (c, c, 3, 3)).to(torch.int8), _weight_qp(c), torch.randn(c)
+    spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
+    return _onednn_pair(onednn_winograd, "conv_call",
+                        lambda: backend.prepack_conv(weight, w_qp, bias, spec, in_qp=in_qp),
+                        lambda packed: backend.conv(a, packed, in_qp, out_qp, relu=True))
+
+
+def _onednn_pair(module: Any, name: str, prepack: Callable[[], PackedWeight],
+                 run: Callable[[PackedWeight], Any]) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """A onednn layer's call with fxquant's loop (``module.name`` binds it), and on the same layer's primitive,
+    bound with the loop declined (the binding is made once, on the first call)."""
+    packed, on_primitive = prepack(), prepack()
+    declined = getattr(module, name)
+    setattr(module, name, lambda *args, **kwargs: None)
     try:
-        backend.linear(a, on_primitive, in_qp, out_qp, relu=True)
+        run(on_primitive)
     finally:
-        onednn_rows.row_call = declined
-    return (lambda: backend.linear(a, packed, in_qp, out_qp, relu=True),
-            lambda: backend.linear(a, on_primitive, in_qp, out_qp, relu=True))
+        setattr(module, name, declined)
+    return lambda: run(packed), lambda: run(on_primitive)
 
 
 def _row(label: str, pair: tuple[Callable[[], Any], Callable[[], Any]], args: argparse.Namespace) -> str:
@@ -126,6 +148,9 @@ def main() -> None:
         print("\n| onednn Linear, rows | AVX2 row loop | oneDNN primitive | ratio |\n|---|---|---|---|")
         for k, n, rows in ONEDNN_LINEARS:
             print(_row(f"{k} -> {n}, {rows} rows", _onednn_linear(k, n, rows), args), flush=True)
+        print("\n| onednn 3x3 conv, input | Winograd | oneDNN primitive | ratio |\n|---|---|---|---|")
+        for c, size, batch in ONEDNN_CONVS:
+            print(_row(f"{c} -> {c}, {batch}x{c}x{size}x{size}", _onednn_conv(c, size, batch), args), flush=True)
 
 
 def _linear_path(backend: Backend, k: int, n: int, rows: int) -> str:

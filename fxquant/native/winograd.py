@@ -38,7 +38,8 @@ class OnednnWinograd:
 
     ``shape``: the channels-last uint8 input's (N, C, H, W); ``padding``: (top/bottom, left/right); ``zx``: the input
     zero point the padding reads as; ``weight``: :func:`transformed_weight`'s; ``multipliers`` and ``bias``: float32
-    per output channel (padded here); ``requant``: its ``zx`` unused; ``accum``: the sum post-op's (scale, zero point)."""
+    per output channel (padded here); ``requant``: its ``zx`` unused; ``accum``: the sum post-op's (scale, zero
+    point)."""
 
     def __init__(self, shape: tuple[int, ...], padding: tuple[int, int], zx: int, weight: torch.Tensor,
                  multipliers: torch.Tensor, bias: torch.Tensor, out_channels: int, requant: OnednnRequant,
