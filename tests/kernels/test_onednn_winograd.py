@@ -37,8 +37,8 @@ OUT_QP = QParams(torch.tensor(0.37), torch.tensor(11), 0, 127)  # a 7-bit output
 ACCUM_QP = QParams(torch.tensor(0.21), torch.tensor(5), 0, 127)
 # (batch, in channels, out channels, height, width, padding): channels not a multiple of 16, odd sizes (a tile
 # half outside the output), a row of one, the largest padding, ResNet's deepest layer
-GEOMETRIES = [(1, 64, 64, 14, 14, 1), (2, 20, 24, 9, 7, 1), (1, 3, 5, 5, 6, 0), (1, 17, 33, 8, 8, 2),
-              (3, 16, 16, 1, 3, 1), (1, 512, 512, 7, 7, 1)]
+GEOMETRIES = [(1, 64, 64, 14, 14, 1), (2, 40, 24, 9, 7, 1), (1, 32, 5, 5, 6, 0), (1, 33, 33, 8, 8, 2),
+              (3, 48, 16, 1, 3, 1), (1, 512, 512, 7, 7, 1)]
 
 
 def _require_the_kernel() -> None:
@@ -132,7 +132,7 @@ def test_the_input_zero_point_folded_or_not(monkeypatch: pytest.MonkeyPatch, fol
     """An unpadded conv packed for its input's qparams folds the zero point into the bias (the kernel sums the
     uncentered inputs); packed for others, the kernel centers the inputs itself: the primitive's bytes both ways."""
     _require_the_kernel()
-    layer, spec = _layer((2, 24, 40, 10, 11, 0), per_channel=True, bias=True, seed=5)
+    layer, spec = _layer((2, 40, 24, 10, 11, 0), per_channel=True, bias=True, seed=5)
     assert int(layer.in_qp.zero_point) != 0
     calls = _count_kernel_calls(monkeypatch)
     with loop_threads(onednn_winograd.FAMILY):
@@ -191,13 +191,15 @@ def test_the_bytes_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("case", ["stride 2", "dilation 2", "two groups", "5x5", "8-bit inputs", "float output",
-                                  "fused hardswish", "too many channels", "above the thread limit"])
+                                  "fused hardswish", "too few channels", "too many channels", "above the thread limit"])
 def test_the_primitive_keeps_what_the_kernel_does_not_take(monkeypatch: pytest.MonkeyPatch, case: str) -> None:
     """Geometries Winograd F(2x2, 3x3) does not compute, 8-bit inputs (oneDNN's pair sums saturate on them, the
-    kernel's would not: not the primitive's bytes), outputs other than uint8 with a ReLU, more input channels than
-    the sums are bounded for, and thread counts it was not measured at go to oneDNN's primitive."""
+    kernel's would not: not the primitive's bytes), outputs other than uint8 with a ReLU, fewer input channels than
+    it is measured faster on, more than the sums are bounded for, and thread counts it was not measured at go to
+    oneDNN's primitive."""
     _require_the_kernel()
-    c = onednn_winograd.MAX_CHANNELS + 8 if case == "too many channels" else 8
+    c = {"too few channels": onednn_winograd.MIN_CHANNELS - 8,
+         "too many channels": onednn_winograd.MAX_CHANNELS + 8}.get(case, onednn_winograd.MIN_CHANNELS)
     kernel, groups = (5 if case == "5x5" else 3), (2 if case == "two groups" else 1)
     spec = ConvSpec(2, (2, 2) if case == "stride 2" else (1, 1), (1, 1), (2, 2) if case == "dilation 2" else (1, 1),
                     groups)
@@ -226,7 +228,7 @@ def test_the_primitive_keeps_what_the_kernel_does_not_take(monkeypatch: pytest.M
 def test_calls_on_one_weight_share_its_transformed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two input shapes bind two calls; the weight is transformed once, on the weight, and both read that copy."""
     _require_the_kernel()
-    layer, spec = _layer((2, 16, 24, 8, 8, 1), per_channel=True, bias=True, seed=12)
+    layer, spec = _layer((2, 32, 24, 8, 8, 1), per_channel=True, bias=True, seed=12)
     onednn = get_backend("onednn")
     with loop_threads(onednn_winograd.FAMILY):
         packed = onednn.prepack_conv(layer.q_w, layer.w_qp, layer.bias, spec, in_qp=layer.in_qp)

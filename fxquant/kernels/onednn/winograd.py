@@ -13,7 +13,7 @@ sum post-op included (tests/kernels/test_onednn_winograd.py).
 A conv takes it where AVX2 is the highest instruction set fxquant may use and the input is 7-bit (the row loop's
 :func:`~fxquant.kernels.onednn.rows.usable`: with VNNI oneDNN's kernel multiplies four bytes per instruction, and
 Winograd's int16 products would lose), the layer is a 2-d 3x3 conv of stride 1, dilation 1, one group and padding
-of at most 2, on at most :data:`MAX_CHANNELS` input channels, with a uint8 output (a ReLU and the sum post-op
+of at most 2, on :data:`MIN_CHANNELS` to :data:`MAX_CHANNELS` input channels, with a uint8 output (a ReLU and the sum post-op
 fused, a range from 0), and torch's thread count is within ``native.THREAD_LIMITS["onednn_winograd"]``. A call is an
 :data:`~fxquant.kernels.recording.AddressCall`, so a replayed run holds it.
 """
@@ -37,6 +37,9 @@ if TYPE_CHECKING:
 
 FAMILY = "onednn_winograd"  # its thread limit in native.THREAD_LIMITS
 MAX_CHANNELS = 1024  # the kernel's int32 sums are exact to 1827 input channels of 8-bit inputs; a round bound below
+# below, the transforms (and inputs padded to 16 channels) outweigh the products: on the Zen 1 EPYC, 16 -> 16
+# channels took 1.04-1.06x oneDNN's time, 3 -> 16 3.5x, 32 -> 16 to 32 -> 64 0.78-0.87x (docs/backends.md)
+MIN_CHANNELS = 32
 
 
 def takes(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams) -> bool:
@@ -45,7 +48,7 @@ def takes(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams) -> bool:
     spec = w.spec
     return (spec is not None and spec.dim == 2 and not w.height_one and not spec.transposed and len(shape) == 4
             and w.kernel == (3, 3) and spec.stride == (1, 1) and spec.dilation == (1, 1) and spec.groups == 1
-            and max(spec.padding) <= 2 and shape[1] <= MAX_CHANNELS and w.plain is not None
+            and max(spec.padding) <= 2 and MIN_CHANNELS <= shape[1] <= MAX_CHANNELS and w.plain is not None
             and min(size + 2 * pad - 2 for size, pad in zip(shape[2:], spec.padding, strict=True)) >= 1
             and usable(in_qp) and native.available(FAMILY))
 
