@@ -13,9 +13,9 @@ sum post-op included (tests/kernels/test_onednn_winograd.py).
 A conv takes it where AVX2 is the highest instruction set fxquant may use and the input is 7-bit (the row loop's
 :func:`~fxquant.kernels.onednn.rows.usable`: with VNNI oneDNN's kernel multiplies four bytes per instruction, and
 Winograd's int16 products would lose), the layer is a 2-d 3x3 conv of stride 1, dilation 1, one group and padding
-of at most 2, on :data:`MIN_CHANNELS` to :data:`MAX_CHANNELS` input channels, with a uint8 output (a ReLU and the sum post-op
-fused, a range from 0), and torch's thread count is within ``native.THREAD_LIMITS["onednn_winograd"]``. A call is an
-:data:`~fxquant.kernels.recording.AddressCall`, so a replayed run holds it.
+of at most 2, on :data:`MIN_CHANNELS` to :data:`MAX_CHANNELS` input channels, with a uint8 output (a ReLU and the
+sum post-op fused, a range from 0), and torch's thread count is within ``native.THREAD_LIMITS["onednn_winograd"]``.
+A call is an :data:`~fxquant.kernels.recording.AddressCall`, so a replayed run holds it.
 """
 
 from __future__ import annotations
