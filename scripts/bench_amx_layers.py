@@ -47,8 +47,10 @@ SEVEN_BIT_QPS = (QParams(torch.tensor(0.02), torch.tensor(10), 0, 127),  # onedn
 ONEDNN_LINEARS = [(1024, 1024, rows) for rows in (1, 2, 4, 8, 16, 32, 48, 64)] + [
     (768, 3072, rows) for rows in (1, 4, 8, 16, 32, 64)] + [(3072, 768, rows) for rows in (1, 4, 8, 16, 32, 64)] + [
     (512, 1000, 1)]
-ONEDNN_CONVS = [(c, size, batch) for batch in (1, 32) for c, size in ((64, 56), (128, 28), (256, 14), (512, 7))] + [
-    (16, 64, 8), (32, 112, 1)]  # (channels, input size, batch): ResNet-18's 3x3 layers of stride 1, two smaller ones
+# (C_in, C_out, input size, batch): ResNet-18's 3x3 layers of stride 1, then the small ones MIN_CHANNELS rests on
+ONEDNN_CONVS = [(c, c, size, batch) for batch in (1, 32) for c, size in ((64, 56), (128, 28), (256, 14), (512, 7))] + [
+    (3, 16, 64, 1), (16, 16, 64, 8), (24, 24, 56, 1), (16, 64, 56, 1), (32, 16, 64, 8), (32, 32, 56, 1),
+    (32, 32, 112, 1), (64, 16, 56, 1)]
 
 
 def _weight_qp(channels: int) -> QParams:
@@ -84,12 +86,12 @@ def _onednn_linear(k: int, n: int, rows: int) -> tuple[Callable[[], Any], Callab
                         lambda packed: backend.linear(a, packed, in_qp, out_qp, relu=True))
 
 
-def _onednn_conv(c: int, size: int, batch: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
-    """The onednn backend's 3x3 conv (c -> c, padding 1) with the Winograd kernel, and on the same layer's
-    primitive."""
+def _onednn_conv(cin: int, cout: int, size: int, batch: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The onednn backend's 3x3 conv (padding 1) with the Winograd kernel, and on the same layer's primitive."""
     backend, (in_qp, out_qp) = get_backend("onednn"), SEVEN_BIT_QPS
-    a = backend.quantize(torch.randn(batch, c, size, size), in_qp).contiguous(memory_format=torch.channels_last)
-    weight, w_qp, bias = torch.randint(-128, 128, (c, c, 3, 3)).to(torch.int8), _weight_qp(c), torch.randn(c)
+    a = backend.quantize(torch.randn(batch, cin, size, size), in_qp).contiguous(memory_format=torch.channels_last)
+    weight = torch.randint(-128, 128, (cout, cin, 3, 3)).to(torch.int8)
+    w_qp, bias = _weight_qp(cout), torch.randn(cout)
     spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
     return _onednn_pair(onednn_winograd, "conv_call",
                         lambda: backend.prepack_conv(weight, w_qp, bias, spec, in_qp=in_qp),
@@ -123,13 +125,15 @@ def main() -> None:
     parser.add_argument("--ignore-thread-limits", action="store_true",
                         help="run the loops at any thread count (the measurement behind native.THREAD_LIMITS)")
     parser.add_argument("--ignore-size-limits", action="store_true",
-                        help="run the loops at every size (the measurement behind NativeConv.takes)")
+                        help="run the loops at every size (the measurement behind NativeConv.takes, the onednn row "
+                             "loop's MAX_ROWS and the Winograd conv's MIN_CHANNELS)")
     args = parser.parse_args()
     if args.ignore_thread_limits:
         native.THREAD_LIMITS.update(dict.fromkeys(native.THREAD_LIMITS, 1 << 16))
     if args.ignore_size_limits:
         NativeConv.takes = lambda self, positions: True  # type: ignore[method-assign]
         onednn_rows.MAX_ROWS = 1 << 30
+        onednn_winograd.MIN_CHANNELS = 1
     if not has_avx2():
         raise SystemExit("this CPU has no AVX2: fxquant keeps the engines' kernels, nothing to compare")
     torch.manual_seed(0)
@@ -149,8 +153,9 @@ def main() -> None:
         for k, n, rows in ONEDNN_LINEARS:
             print(_row(f"{k} -> {n}, {rows} rows", _onednn_linear(k, n, rows), args), flush=True)
         print("\n| onednn 3x3 conv, input | Winograd | oneDNN primitive | ratio |\n|---|---|---|---|")
-        for c, size, batch in ONEDNN_CONVS:
-            print(_row(f"{c} -> {c}, {batch}x{c}x{size}x{size}", _onednn_conv(c, size, batch), args), flush=True)
+        for cin, cout, size, batch in ONEDNN_CONVS:
+            print(_row(f"{cin} -> {cout}, {batch}x{cin}x{size}x{size}", _onednn_conv(cin, cout, size, batch), args),
+                  flush=True)
 
 
 def _linear_path(backend: Backend, k: int, n: int, rows: int) -> str:
