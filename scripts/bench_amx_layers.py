@@ -93,7 +93,7 @@ def _onednn_conv(cin: int, cout: int, size: int, batch: int) -> tuple[Callable[[
     weight = torch.randint(-128, 128, (cout, cin, 3, 3)).to(torch.int8)
     w_qp, bias = _weight_qp(cout), torch.randn(cout)
     spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
-    return _onednn_pair(onednn_winograd, "conv_call",
+    return _onednn_pair(onednn_winograd, "winograd_call",
                         lambda: backend.prepack_conv(weight, w_qp, bias, spec, in_qp=in_qp),
                         lambda packed: backend.conv(a, packed, in_qp, out_qp, relu=True))
 

@@ -68,7 +68,7 @@ def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def _declined(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Calls bound inside go to oneDNN's primitive: the Winograd kernel declines every layer."""
     with monkeypatch.context() as patch:
-        patch.setattr(onednn_winograd, "conv_call", lambda *args, **kwargs: None)
+        patch.setattr(onednn_winograd, "winograd_call", lambda *args, **kwargs: None)
         yield
 
 

@@ -53,7 +53,7 @@ def bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: O
         shape = (shape[0], shape[1], 1, *shape[2:])
     if needs_workaround(shape, w):
         return lambda a: padded_conv(a, w, in_qp, output, post_op, within)
-    winograd = onednn_winograd.conv_call(w, shape, in_qp, output, post_op, within, (x_scale, x_zp, bias))
+    winograd = onednn_winograd.winograd_call(w, shape, in_qp, output, post_op, within, (x_scale, x_zp, bias))
     if winograd:
         return winograd
     plain = direct_weight(w)  # a conv keeps its plain weight (only a Linear's primitives hold theirs alone)
@@ -110,8 +110,8 @@ def bind_conv_add(w: OnednnWeight, shape: tuple[int, ...], accum: torch.Tensor, 
         return None
     (x_scale, x_zp, bias), (out_scale, out_zp), (acc_scale, acc_zp) = operands(w, qps.input), qps.out.scalar(), \
         qps.accum.scalar()
-    winograd = onednn_winograd.conv_call(w, shape, qps.input, uint8_output(qps.out), relu_post_op(relu), qps.out,
-                                         (x_scale, x_zp, bias), accum_qp=(acc_scale, acc_zp))
+    winograd = onednn_winograd.winograd_call(w, shape, qps.input, uint8_output(qps.out), relu_post_op(relu), qps.out,
+                                             (x_scale, x_zp, bias), accum_qp=(acc_scale, acc_zp))
     if winograd:
         return winograd
     plain = direct_weight(w)  # a conv keeps its plain weight (only a Linear's primitives hold theirs alone)

@@ -154,7 +154,18 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
                            scales, bias, x_qp, output, geometry, post_op, clip, accum_qp, shared)
     if primitive is None:
         return None
-    run, empty, dtype = primitive.run, torch.empty_strided, output[2]
+    chosen = conv_call(primitive.run, out_shape, output[2], accum_qp is not None)
+    chosen.primitive = primitive  # type: ignore[attr-defined]  # for inspection (tests, debugging)
+    return chosen
+
+
+def conv_call(run: recording.AddressCall, out_shape: tuple[int, ...], dtype: torch.dtype,
+              summed: bool) -> Callable[..., torch.Tensor]:
+    """A conv's call ``f(a)`` (``f(a, accum)`` where ``summed``: the sum post-op) around ``run(input address, output
+    address)``, which computes the channels-last output of ``out_shape`` from the channels-last uint8 input: fxquant's
+    primitives and its AVX2 conv loops alike. The call is logged for a replay (:mod:`fxquant.kernels.recording`)."""
+    memory_format = _MEMORY_FORMATS[len(out_shape)]
+    out_strides, empty = _strides(out_shape, memory_format), torch.empty_strided
 
     def call(a: torch.Tensor) -> torch.Tensor:
         a = uint8_input(a, memory_format)
@@ -171,9 +182,7 @@ def conv(weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, 
         recording.record(run, a.data_ptr(), out)
         return out
 
-    chosen = call if accum_qp is None else call_sum
-    chosen.primitive = primitive  # type: ignore[union-attr]  # for inspection (tests, debugging)
-    return chosen
+    return call_sum if summed else call
 
 
 def linear(weight: Weight, out_features: int, scales: torch.Tensor, bias: torch.Tensor | None,

@@ -52,16 +52,38 @@ def takes_one_row(in_qp: QParams | None) -> bool:
     return usable(in_qp) and native.available(FAMILY)
 
 
+def loop_qmax(output: Output, post_op: str, within: QParams | None, dtypes: tuple[torch.dtype, ...]) -> int | None:
+    """The top of the output's range where a C loop with oneDNN's requantization gives the primitive's result: an
+    output of one of ``dtypes``, no post-op but a ReLU, and a range from 0 (the loop saturates at its top, as the
+    primitive's clip post-op bounds it); else None."""
+    qmin, qmax = (0, 255) if within is None else (within.qmin, within.qmax)
+    return qmax if output[2] in dtypes and post_op in ("none", "relu") and qmin == 0 else None
+
+
+def onednn_requant(w: OnednnWeight, operands: tuple[float, int, torch.Tensor | None], output: Output, post_op: str,
+                   qmax: int) -> tuple[OnednnRequant, torch.Tensor, torch.Tensor]:
+    """oneDNN's requantization of ``w``'s sums as fxquant's primitives configure it, for the C loops that compute
+    their bytes (this row loop and :mod:`~fxquant.kernels.onednn.winograd`):
+    the ``OnednnRequant`` (zero points, ReLU, float or uint8 output saturating at ``qmax``, ``1 / s_out`` in
+    float32), the float32 multipliers ``s_x * s_w`` per output channel and the float32 bias (zeros for none).
+    ``operands``: the input scale and zero point the call uses and the bias that goes with them
+    (``weights.operands``)."""
+    x_scale, x_zp, bias = operands
+    scale, zero_point, dtype = output
+    multipliers = torch.tensor(x_scale, dtype=torch.float32) * w.scale.float().reshape(-1).expand(w.out_channels)
+    dst_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
+    requant = OnednnRequant(x_zp, zero_point, post_op == "relu", dtype is torch.float32, qmax, dst_inv)
+    return requant, multipliers, torch.zeros(w.out_channels) if bias is None else bias.float()
+
+
 def row_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Output, post_op: str,
              within: QParams | None, operands: tuple[float, int, torch.Tensor | None]) -> Call | None:
     """The Linear on inputs of ``shape`` by the row loop, or None where the primitive should run it (see the module
     docstring); ``output``, ``post_op`` and ``within`` as for ``calls.bind_linear``; ``operands``: the input scale
     and zero point the call uses and the bias that goes with them (``weights.operands``)."""
     rows = math.prod(shape[:-1])
-    scale, zero_point, dtype = output
-    qmin, qmax = (0, 255) if within is None else (within.qmin, within.qmax)
-    if (rows > MAX_ROWS or post_op not in ("none", "relu") or dtype not in (torch.uint8, torch.float32)
-            or qmin != 0 or not usable(in_qp) or not native.available(FAMILY)):
+    qmax = loop_qmax(output, post_op, within, (torch.uint8, torch.float32))
+    if rows > MAX_ROWS or qmax is None or not usable(in_qp) or not native.available(FAMILY):
         return None
     layout = w.row_layout
     if layout is None:  # one copy in the loop's layout per weight, whichever calls share it
@@ -69,14 +91,9 @@ def row_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Ou
         object.__setattr__(w, "row_layout", layout)
     n_pad = layout.shape[0] * 64
     column_sums = layout.sum((1, 3), dtype=torch.int32).reshape(n_pad)  # (the padding's zeros sum to 0)
-    x_scale, x_zp, bias = operands
-    multipliers = torch.tensor(x_scale, dtype=torch.float32) * w.scale.float().reshape(-1).expand(w.out_channels)
-    factors = (torch.zeros(n_pad, dtype=torch.int32),
-               padded(torch.zeros(w.out_channels) if bias is None else bias.float(), n_pad),
-               padded(multipliers, n_pad))
-    float_out = dtype is torch.float32
-    dst_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
-    requant = OnednnRequant(x_zp, zero_point, post_op == "relu", float_out, qmax, dst_inv)
+    requant, multipliers, bias = onednn_requant(w, operands, output, post_op, qmax)
+    factors = (torch.zeros(n_pad, dtype=torch.int32), padded(bias, n_pad), padded(multipliers, n_pad))
+    float_out, dtype = requant.float_out, output[2]
     run = OnednnRows(rows, (shape[-1], w.out_channels * (4 if float_out else 1)), layout, column_sums, factors,
                      (shape[-1], w.out_channels), requant)
     out_shape, empty = (*shape[:-1], w.out_channels), torch.empty

@@ -25,10 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from fxquant import native
-from fxquant.kernels import recording
-from fxquant.kernels.onednn.direct import Output, uint8_input
-from fxquant.kernels.onednn.rows import usable
-from fxquant.native.amx_gemm import OnednnRequant
+from fxquant.kernels.onednn.direct import Output, conv_call
+from fxquant.kernels.onednn.rows import loop_qmax, onednn_requant, usable
 from fxquant.native.winograd import OnednnWinograd, transformed_weight
 from fxquant.qparams import QParams
 
@@ -53,46 +51,25 @@ def takes(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams) -> bool:
             and usable(in_qp) and native.available(FAMILY))
 
 
-def conv_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Output, post_op: str,
-              within: QParams | None, operands: tuple[float, int, torch.Tensor | None],
-              accum_qp: tuple[float, int] | None = None) -> Call | None:
+def winograd_call(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: Output, post_op: str,
+                  within: QParams | None, operands: tuple[float, int, torch.Tensor | None],
+                  accum_qp: tuple[float, int] | None = None) -> Call | None:
     """The conv on inputs of ``shape`` by the Winograd kernel as ``f(a)`` (``f(a, accum)`` with ``accum_qp``, the
     sum post-op's scale and zero point: the accumulator is overwritten, as oneDNN's primitive does), or None where
     the primitive should run it (see the module docstring); ``output``, ``post_op`` and ``within`` as for
     ``calls.bind_conv``, ``operands`` as for ``rows.row_call``."""
-    scale, zero_point, dtype = output
-    qmin, qmax = (0, 255) if within is None else (within.qmin, within.qmax)
-    if dtype is not torch.uint8 or post_op not in ("none", "relu") or qmin != 0 or not takes(w, shape, in_qp):
+    qmax = loop_qmax(output, post_op, within, (torch.uint8,))
+    if qmax is None or not takes(w, shape, in_qp):
         return None
     assert w.spec is not None and w.plain is not None
     layout = w.winograd
     if layout is None:  # one transformed copy per weight, whichever calls share it
         layout = transformed_weight(w.plain)
         object.__setattr__(w, "winograd", layout)
-    x_scale, x_zp, bias = operands
-    k = w.out_channels
-    multipliers = torch.tensor(x_scale, dtype=torch.float32) * w.scale.float().reshape(-1).expand(k)
-    dst_inv = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(scale, dtype=torch.float32))
-    requant = OnednnRequant(0, zero_point, post_op == "relu", False, qmax, dst_inv)
+    requant, multipliers, bias = onednn_requant(w, operands, output, post_op, qmax)
     padding = (w.spec.padding[0], w.spec.padding[1])
-    run = OnednnWinograd(shape, padding, x_zp, layout, multipliers,
-                         torch.zeros(k) if bias is None else bias.float(), k, requant, accum_qp)
-    out_shape = (shape[0], k, *run.out_size)
-    empty, channels_last = torch.empty, torch.channels_last
-
-    def call(a: torch.Tensor) -> torch.Tensor:
-        a = uint8_input(a, channels_last)
-        out = empty(out_shape, dtype=torch.uint8, memory_format=channels_last)
-        run(a.data_ptr(), out.data_ptr())
-        recording.record(run, a.data_ptr(), out)
-        return out
-
-    def call_sum(a: torch.Tensor, accum: torch.Tensor) -> torch.Tensor:
-        a, out = uint8_input(a, channels_last), uint8_input(accum, channels_last)
-        run(a.data_ptr(), out.data_ptr())
-        recording.record(run, a.data_ptr(), out)
-        return out
-
-    chosen = call if accum_qp is None else call_sum
-    chosen.loop = run  # type: ignore[union-attr]  # (as onednn_direct's calls carry their primitive)
-    return chosen
+    run = OnednnWinograd(shape, padding, requant.zx, layout, multipliers, bias, w.out_channels,
+                         requant._replace(zx=0), accum_qp)
+    call = conv_call(run, (shape[0], w.out_channels, *run.out_size), torch.uint8, accum_qp is not None)
+    call.loop = run  # type: ignore[attr-defined]  # (as onednn_direct's calls carry their primitive)
+    return call

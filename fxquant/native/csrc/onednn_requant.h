@@ -22,27 +22,42 @@ __attribute__((target("avx2"), always_inline)) static inline void fxq_onednn_sto
     __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(mult));
     f = _mm256_add_ps(f, _mm256_loadu_ps(bias));
     if (sum != NULL) {
-        uint8_t before[16] = {0};
-        memcpy(before, dst, (size_t)stored);
-        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)before)));
+        __m128i before;
+        if (stored == 8) {
+            before = _mm_loadl_epi64((const __m128i *)dst);
+        } else {
+            uint8_t tail[16] = {0};
+            memcpy(tail, dst, (size_t)stored);
+            before = _mm_loadl_epi64((const __m128i *)tail);
+        }
+        const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(before));
         f = _mm256_add_ps(f, _mm256_mul_ps(_mm256_set1_ps(sum->scale),
                                            _mm256_sub_ps(q, _mm256_set1_ps((float)sum->zero_point))));
     }
     if (r->relu)
         f = _mm256_max_ps(f, _mm256_setzero_ps());
     if (r->float_out) {
-        float values[8];
-        _mm256_storeu_ps(values, f);
-        memcpy(dst, values, sizeof(float) * (size_t)stored);
+        if (stored == 8) {
+            _mm256_storeu_ps((float *)(void *)dst, f);
+        } else {
+            float values[8];
+            _mm256_storeu_ps(values, f);
+            memcpy(dst, values, sizeof(float) * (size_t)stored);
+        }
         return;
     }
     f = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(r->dst_inv)), _mm256_set1_ps((float)r->zo));
     f = _mm256_min_ps(_mm256_max_ps(f, _mm256_setzero_ps()), _mm256_set1_ps((float)r->qmax));
     const __m256i q = _mm256_cvtps_epi32(f);
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
-    uint8_t bytes[16];
-    _mm_storeu_si128((__m128i *)bytes, _mm_packus_epi16(words, words));
-    memcpy(dst, bytes, (size_t)stored);
+    const __m128i packed = _mm_packus_epi16(words, words);
+    if (stored == 8) { /* (a memcpy of a variable size is a library call: most of the cost of a store) */
+        _mm_storel_epi64((__m128i *)dst, packed);
+    } else {
+        uint8_t bytes[16];
+        _mm_storeu_si128((__m128i *)bytes, packed);
+        memcpy(dst, bytes, (size_t)stored);
+    }
 }
 
 #endif
