@@ -14,7 +14,9 @@ A conv takes it where AVX2 is the highest instruction set fxquant may use and th
 :func:`~fxquant.kernels.onednn.rows.usable`: with VNNI oneDNN's kernel multiplies four bytes per instruction, and
 Winograd's int16 products would lose), the layer is a 2-d 3x3 conv of stride 1, dilation 1, one group and padding
 of at most 2, on :data:`MIN_CHANNELS` to :data:`MAX_CHANNELS` input channels, with a uint8 output (a ReLU and the
-sum post-op fused, a range from 0), and torch's thread count is within ``native.THREAD_LIMITS["onednn_winograd"]``.
+sum post-op fused, a range from 0), torch's thread count is within ``native.THREAD_LIMITS["onednn_winograd"]``, and
+the layer keeps the plain weight the transform is made from (as it does for fxquant's own primitives, where the
+oneDNN library is loaded).
 A call is an :data:`~fxquant.kernels.recording.AddressCall`, so a replayed run holds it.
 """
 
