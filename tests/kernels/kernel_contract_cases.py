@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from fxquant import native
 from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
 from fxquant.kernels.registry import available_backends, get_backend
-from fxquant.native.isa import ISA_LEVELS, isa_cap
+from fxquant.native.isa import ISA_LEVELS, has_avx512, has_vnni, isa_cap
 from fxquant.qparams import INT8_RANGE, QParams, affine_qparams, dequantize, fake_quantize
 
 FLOAT_CONVS = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -81,6 +82,33 @@ def require_loop(what: str, flag: str, level: str) -> None:
         pytest.skip(f"{what} needs {flag}, which this CPU lacks")
     if isa_cap() < ISA_LEVELS.index(level):
         pytest.skip(f"FXQUANT_ISA caps the loops below {level}")
+
+
+def require_avx2_alone(what: str) -> None:
+    """Skip, with the reason, where ``what`` (an AVX2 loop the onednn backend takes on CPUs with AVX2 alone) does not
+    run: the C loops off, a CPU without AVX2, or AVX512/VNNI allowed (``FXQUANT_ISA=avx2`` runs it there, as
+    ``.ci/run`` does)."""
+    require_c_loops()
+    if "avx2" not in cpu_flags():
+        pytest.skip(f"{what} needs AVX2, which this CPU lacks")
+    if has_avx512() or has_vnni():
+        pytest.skip(f"the onednn backend's {what} runs where AVX2 is the highest instruction set fxquant may use "
+                    "(with VNNI its activations are 8-bit and oneDNN's VNNI kernels are faster); FXQUANT_ISA=avx2 "
+                    "runs it on this CPU")
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, entry: str) -> list[int]:
+    """Every call of the C extension's ``entry`` from now on (by calls bound after this: the loops' wrappers take
+    their entry point when they are made)."""
+    calls: list[int] = []
+    original = getattr(native.loader.extension, entry)
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(native.loader.extension, entry, counted)
+    return calls
 
 
 def cpu_flags() -> frozenset[str]:

@@ -13,14 +13,13 @@ import platform
 
 import pytest
 import torch
-from kernel_contract_cases import Layer, activation_range, cpu_flags, loop_threads, make_layer, require_c_loops
+from kernel_contract_cases import Layer, activation_range, count_calls, loop_threads, make_layer, require_avx2_alone
 
 from fxquant import native
 from fxquant.kernels.base import PackedWeight
 from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.onednn import rows as onednn_rows
 from fxquant.kernels.registry import get_backend
-from fxquant.native.isa import has_avx512, has_vnni
 from fxquant.qparams import QParams
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not onednn_direct.available(),
@@ -28,28 +27,6 @@ pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not onednn_dir
 
 OUT_QP = QParams(torch.tensor(0.37), torch.tensor(11), 0, 127)  # a 7-bit output, as convert gives without VNNI
 SHAPES = [(33, 17), (1000, 130), (64, 64), (7, 200)]  # (in, out): inputs not a multiple of 4, outputs of 8 or 64
-
-
-def _require_the_loop() -> None:
-    require_c_loops()
-    if "avx2" not in cpu_flags():
-        pytest.skip("the row loop needs AVX2, which this CPU lacks")
-    if has_avx512() or has_vnni():
-        pytest.skip("the onednn backend's row loop runs where AVX2 is the highest instruction set fxquant may use "
-                    "(with VNNI its activations are 8-bit); FXQUANT_ISA=avx2 runs it on this CPU")
-
-
-def _count_loop_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every call of the loop's entry point from now on (calls bound after this)."""
-    calls: list[int] = []
-    entry = native.loader.extension.linear_rows_onednn
-
-    def counted(*args: object) -> bool:
-        calls.append(1)
-        return bool(entry(*args))
-
-    monkeypatch.setattr(native.loader.extension, "linear_rows_onednn", counted)
-    return calls
 
 
 def _run(packed: PackedWeight, x: torch.Tensor, in_qp: QParams, output: str) -> torch.Tensor:
@@ -82,11 +59,11 @@ def test_the_loop_gives_the_primitives_bytes(monkeypatch: pytest.MonkeyPatch, k:
     """uint8 results bit for bit, float32 results exactly (oneDNN multiplies the sum by s_x * s_w, then adds the
     bias: not fused); the input zero point folded into the bias (the weight held in the loop's layout) and not
     (the loop subtracts it from the sums, the weight held by the pack-time primitive)."""
-    _require_the_loop()
+    require_avx2_alone("row loop")
     layer = make_layer((rows, k), (n, k), qrange=activation_range("onednn"), per_channel=per_channel, bias=True,
                        seed=rows * 100 + k)
     assert layer.in_qp.qmax == 127
-    calls = _count_loop_calls(monkeypatch)
+    calls = count_calls(monkeypatch, "linear_rows_onednn")
     with loop_threads(onednn_rows.FAMILY):  # (packing too: it holds the weight in the loop's layout where it runs)
         packed = get_backend("onednn").prepack_linear(layer.q_w, layer.w_qp, layer.bias,
                                                       in_qp=layer.in_qp if folded else None)
@@ -101,12 +78,12 @@ def test_the_loop_gives_the_primitives_bytes(monkeypatch: pytest.MonkeyPatch, k:
 def test_saturated_sums_stay_at_the_top_of_the_range(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sums far past the output range (every input and weight at its largest) give 127, and far below it 0, as
     the primitive's clip does: the loop saturates in float before rounding."""
-    _require_the_loop()
+    require_avx2_alone("row loop")
     layer = make_layer((2, 1000), (64, 1000), qrange=(0, 127), per_channel=False, bias=False, seed=1)
     weight = torch.cat([torch.full((32, 1000), 127), torch.full((32, 1000), -128)]).to(torch.int8)
     layer = dataclasses.replace(layer, q_x=torch.full((2, 1000), 127, dtype=torch.uint8), q_w=weight,
                                 in_qp=QParams(torch.tensor(0.05), torch.tensor(0), 0, 127))
-    calls = _count_loop_calls(monkeypatch)
+    calls = count_calls(monkeypatch, "linear_rows_onednn")
     with loop_threads(onednn_rows.FAMILY):
         packed = get_backend("onednn").prepack_linear(layer.q_w, layer.w_qp, None, in_qp=layer.in_qp)
         mine = _run(packed, layer.q_x, layer.in_qp, "uint8")
@@ -122,12 +99,12 @@ def test_the_primitive_keeps_what_the_loop_does_not_take(monkeypatch: pytest.Mon
     would saturate the loop's 16-bit pair sums; a unary post-op other than ReLU is oneDNN's to compute; above the
     family's thread limit (not measured there) the primitive splits the layer over torch's threads. Each runs the
     primitive, with the same result as with the loop declined."""
-    _require_the_loop()
+    require_avx2_alone("row loop")
     rows = onednn_rows.MAX_ROWS + 1 if case == "33 rows" else 2
     qrange = (0, 255) if case == "8-bit inputs" else (0, 127)
     layer = make_layer((rows, 40), (24, 40), qrange=qrange, per_channel=True, bias=True, seed=2)
     onednn = get_backend("onednn")
-    calls = _count_loop_calls(monkeypatch)
+    calls = count_calls(monkeypatch, "linear_rows_onednn")
     threads = native.THREAD_LIMITS[onednn_rows.FAMILY] + 1 if case == "above the thread limit" else 1
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -148,7 +125,7 @@ def test_the_primitive_keeps_what_the_loop_does_not_take(monkeypatch: pytest.Mon
 def test_a_weight_held_in_the_loops_layout_reads_back_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     """The plain weight, any rows of it (a tied embedding's lookup), and a many-row call (a primitive built from
     the weight read back) are what a layer keeping the plain weight gives."""
-    _require_the_loop()
+    require_avx2_alone("row loop")
     layer = make_layer((40, 33), (70, 33), qrange=(0, 127), per_channel=True, bias=True, seed=6)
     with loop_threads(onednn_rows.FAMILY):
         held = get_backend("onednn").prepack_linear(layer.q_w, layer.w_qp, layer.bias, in_qp=layer.in_qp)
@@ -168,7 +145,7 @@ def test_a_weight_held_in_the_loops_layout_reads_back_exactly(monkeypatch: pytes
 def test_the_loops_calls_on_one_weight_share_one_copy_of_its_layout() -> None:
     """Packed without the input's qparams, the pack-time primitive holds the weight; the loop's calls on several row
     counts make the loop's layout once, on the weight, and all read that copy."""
-    _require_the_loop()
+    require_avx2_alone("row loop")
     layer = make_layer((3, 40), (24, 40), qrange=(0, 127), per_channel=True, bias=True, seed=7)
     with loop_threads(onednn_rows.FAMILY):
         packed = get_backend("onednn").prepack_linear(layer.q_w, layer.w_qp, layer.bias, in_qp=None)

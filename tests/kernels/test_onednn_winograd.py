@@ -13,11 +13,10 @@ from __future__ import annotations
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 import torch
-from kernel_contract_cases import Layer, cpu_flags, loop_threads, make_layer, require_c_loops
+from kernel_contract_cases import Layer, count_calls, loop_threads, make_layer, require_avx2_alone
 
 from fxquant import native
 from fxquant.kernels import recording
@@ -26,7 +25,6 @@ from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.onednn import winograd as onednn_winograd
 from fxquant.kernels.onednn.weights import operands
 from fxquant.kernels.registry import get_backend
-from fxquant.native.isa import has_avx512, has_vnni
 from fxquant.native.winograd import transformed_weight
 from fxquant.qparams import QParams
 
@@ -39,29 +37,6 @@ ACCUM_QP = QParams(torch.tensor(0.21), torch.tensor(5), 0, 127)
 # half outside the output), a row of one, the largest padding, ResNet's deepest layer
 GEOMETRIES = [(1, 64, 64, 14, 14, 1), (2, 40, 24, 9, 7, 1), (1, 32, 5, 5, 6, 0), (1, 33, 33, 8, 8, 2),
               (3, 48, 16, 1, 3, 1), (1, 512, 512, 7, 7, 1)]
-
-
-def _require_the_kernel() -> None:
-    require_c_loops()
-    if "avx2" not in cpu_flags():
-        pytest.skip("the Winograd kernel needs AVX2, which this CPU lacks")
-    if has_avx512() or has_vnni():
-        pytest.skip("the onednn backend's Winograd convs run where AVX2 is the highest instruction set fxquant may use "
-                    "(with VNNI oneDNN's kernel is faster and its activations are 8-bit); FXQUANT_ISA=avx2 runs "
-                    "them on this CPU")
-
-
-def _count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every call of the kernel's entry point from now on (calls bound after this)."""
-    calls: list[int] = []
-    entry = native.loader.extension.conv3x3_onednn
-
-    def counted(*args: Any) -> bool:
-        calls.append(1)
-        return bool(entry(*args))
-
-    monkeypatch.setattr(native.loader.extension, "conv3x3_onednn", counted)
-    return calls
 
 
 @contextmanager
@@ -112,9 +87,9 @@ def test_the_kernel_gives_the_primitives_bytes(monkeypatch: pytest.MonkeyPatch, 
                                                per_channel: bool, bias: bool, relu: bool, add: bool) -> None:
     """uint8 results bit for bit against oneDNN's conv primitive on the same layer: the integer sums are oneDNN's and
     so is the requantization (the sum post-op reads the accumulator the call overwrites)."""
-    _require_the_kernel()
+    require_avx2_alone("Winograd convs")
     layer, spec = _layer(geometry, per_channel, bias, seed=sum(geometry))
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_calls(monkeypatch, "conv3x3_onednn")
     with loop_threads(onednn_winograd.FAMILY):
         mine, packed = _conv(layer, spec, relu=relu, add=add)
         with _declined(monkeypatch):
@@ -131,10 +106,10 @@ def test_the_kernel_gives_the_primitives_bytes(monkeypatch: pytest.MonkeyPatch, 
 def test_the_input_zero_point_folded_or_not(monkeypatch: pytest.MonkeyPatch, folded: bool) -> None:
     """An unpadded conv packed for its input's qparams folds the zero point into the bias (the kernel sums the
     uncentered inputs); packed for others, the kernel centers the inputs itself: the primitive's bytes both ways."""
-    _require_the_kernel()
+    require_avx2_alone("Winograd convs")
     layer, spec = _layer((2, 40, 24, 10, 11, 0), per_channel=True, bias=True, seed=5)
     assert int(layer.in_qp.zero_point) != 0
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_calls(monkeypatch, "conv3x3_onednn")
     with loop_threads(onednn_winograd.FAMILY):
         mine, packed = _conv(layer, spec, relu=True, add=False, folded=folded)
         with _declined(monkeypatch):
@@ -148,7 +123,7 @@ def test_the_widest_layer_sums_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     """:data:`MAX_CHANNELS` input channels, every input at 0 or 127 and every weight at -128 or 127: sums of tens of
     millions (up to 9 * 1024 * 127 * 128), read at an output scale that spreads them over the range, are the
     primitive's."""
-    _require_the_kernel()
+    require_avx2_alone("Winograd convs")
     c = onednn_winograd.MAX_CHANNELS
     layer, spec = _layer((1, c, 16, 4, 5, 1), per_channel=False, bias=False, seed=8)
     gen = torch.Generator().manual_seed(9)
@@ -159,7 +134,7 @@ def test_the_widest_layer_sums_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
     largest = float(torch.nn.functional.conv2d(q_x.double(), q_w.double(), padding=1).max())
     assert largest > 2**24, "sums this large are not exact in float32: the kernel must keep them in int32"
     wide = QParams(torch.tensor(largest / 120), torch.tensor(0), 0, 127)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_calls(monkeypatch, "conv3x3_onednn")
     with loop_threads(onednn_winograd.FAMILY):
         onednn = get_backend("onednn")
         a = q_x.contiguous(memory_format=torch.channels_last)
@@ -175,9 +150,9 @@ def test_the_widest_layer_sums_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_bytes_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """One thread and two (its limit) give the same bytes: each output is one thread's, summed in one order."""
-    _require_the_kernel()
+    require_avx2_alone("Winograd convs")
     layer, spec = _layer((1, 256, 256, 14, 14, 1), per_channel=True, bias=True, seed=10)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_calls(monkeypatch, "conv3x3_onednn")
     previous = torch.get_num_threads()
     try:
         outs = []
@@ -197,7 +172,7 @@ def test_the_primitive_keeps_what_the_kernel_does_not_take(monkeypatch: pytest.M
     kernel's would not: not the primitive's bytes), outputs other than uint8 with a ReLU, fewer input channels than
     it is measured faster on, more than the sums are bounded for, and thread counts it was not measured at go to
     oneDNN's primitive."""
-    _require_the_kernel()
+    require_avx2_alone("Winograd convs")
     c = {"too few channels": onednn_winograd.MIN_CHANNELS - 8,
          "too many channels": onednn_winograd.MAX_CHANNELS + 8}.get(case, onednn_winograd.MIN_CHANNELS)
     kernel, groups = (5 if case == "5x5" else 3), (2 if case == "two groups" else 1)
@@ -206,7 +181,7 @@ def test_the_primitive_keeps_what_the_kernel_does_not_take(monkeypatch: pytest.M
     layer = make_layer((1, c, 9, 9), (8, c // groups, kernel, kernel), qrange=(0, 255) if case == "8-bit inputs"
                        else (0, 127), per_channel=True, bias=True, seed=11)
     onednn = get_backend("onednn")
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_calls(monkeypatch, "conv3x3_onednn")
     previous = torch.get_num_threads()
     torch.set_num_threads(native.THREAD_LIMITS[onednn_winograd.FAMILY] + 1 if case == "above the thread limit" else 1)
     try:
@@ -227,7 +202,7 @@ def test_the_primitive_keeps_what_the_kernel_does_not_take(monkeypatch: pytest.M
 
 def test_calls_on_one_weight_share_its_transformed_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two input shapes bind two calls; the weight is transformed once, on the weight, and both read that copy."""
-    _require_the_kernel()
+    require_avx2_alone("Winograd convs")
     layer, spec = _layer((2, 32, 24, 8, 8, 1), per_channel=True, bias=True, seed=12)
     onednn = get_backend("onednn")
     with loop_threads(onednn_winograd.FAMILY):
@@ -242,7 +217,7 @@ def test_calls_on_one_weight_share_its_transformed_copy(monkeypatch: pytest.Monk
 def test_a_recorded_call_replays_on_its_addresses() -> None:
     """A call logs one :data:`~fxquant.kernels.recording.AddressCall` (a replayed run holds the layer); repeating it
     on the same input into another buffer writes the same bytes."""
-    _require_the_kernel()
+    require_avx2_alone("Winograd convs")
     layer, spec = _layer((1, 32, 32, 12, 12, 1), per_channel=True, bias=True, seed=13)
     onednn = get_backend("onednn")
     with loop_threads(onednn_winograd.FAMILY):

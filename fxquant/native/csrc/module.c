@@ -281,52 +281,6 @@ static PyObject *linear_rows_onednn(PyObject *self, PyObject *args) {
     Py_RETURN_TRUE;
 }
 
-/* conv3x3_onednn((x_ptr, n, h, w, c, pad_h, pad_w, zx), (u_ptr, mult_ptr, bias_ptr, c16, k16, out_channels),
- *                (zx, zo, relu, float_out, qmax, dst_inv), (sum, sum_scale, sum_zero_point), (out_ptr, out_h, out_w))
- *     -> bool
- *
- * A 3x3 conv of stride 1 on contiguous channels-last uint8 as Winograd F(2x2, 3x3) with oneDNN's requantization
- * (WinoInput, WinoWeights, OnednnRequant; the requant's zx is unused: the input's is the one), into contiguous
- * channels-last uint8 (n, out_h, out_w, out_channels), read first as the accumulator with sum. The integer sums are
- * exact for c <= 1827 (ValueError above); oneDNN's equal them on 7-bit inputs, which the caller guarantees. False
- * (nothing written) without AVX2. */
-static PyObject *conv3x3_onednn(PyObject *self, PyObject *args) {
-    unsigned long long x_addr, u_addr, mult_addr, bias_addr, out_addr;
-    WinoInput x;
-    WinoWeights w;
-    OnednnRequant r;
-    OnednnSum sum;
-    int with_sum, status;
-    long long out_h, out_w;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "(KLLLLLLL)(KKKLLL)(LLppLf)(pfL)(KLL)", &x_addr, &x.n, &x.h, &x.w, &x.c, &x.pad_h,
-                          &x.pad_w, &x.zx, &u_addr, &mult_addr, &bias_addr, &w.c16, &w.k16, &w.out_channels, &r.zx,
-                          &r.zo, &r.relu, &r.float_out, &r.qmax, &r.dst_inv, &with_sum, &sum.scale, &sum.zero_point,
-                          &out_addr, &out_h, &out_w))
-        return NULL;
-    if (x.n < 1 || x.c < 1 || x.c > 1827 || x.pad_h < 0 || x.pad_w < 0 || x.pad_h > 2 || x.pad_w > 2 ||
-        out_h != x.h + 2 * x.pad_h - 2 || out_w != x.w + 2 * x.pad_w - 2 || out_h < 1 || out_w < 1 ||
-        w.c16 != (x.c + 15) / 16 * 16 || w.out_channels < 1 || w.k16 != (w.out_channels + 15) / 16 * 16 ||
-        x.zx < 0 || x.zx > 255 || r.zo < 0 || r.zo > 255 || r.qmax < 0 || r.qmax > 255 || r.float_out ||
-        sum.zero_point < 0 || sum.zero_point > 255) {
-        PyErr_SetString(PyExc_ValueError, "conv3x3_onednn: needs 1 to 1827 input channels, padding 0 to 2, the 3x3 "
-                                          "output size, c16 and k16 rounded up to 16, uint8 zero points and output");
-        return NULL;
-    }
-    x.data = PTR(const uint8_t, x_addr);
-    w.u = PTR(const int16_t, u_addr);
-    w.mult = PTR(const float, mult_addr);
-    w.bias = PTR(const float, bias_addr);
-    if (!fxq_avx2_usable())
-        Py_RETURN_FALSE;
-    Py_BEGIN_ALLOW_THREADS
-    status = fxq_conv3x3_winograd_avx2(&x, &w, &r, with_sum ? &sum : NULL, PTR(uint8_t, out_addr), out_h, out_w);
-    Py_END_ALLOW_THREADS
-    if (status < 0)
-        return PyErr_NoMemory();
-    Py_RETURN_TRUE;
-}
-
 /* conv_u8((x_ptr, (N, D, H, W, C), x_strides), (kernel, stride, padding), weights, (zx, zo, relu),
  *         (out_ptr, (Do, Ho, Wo), out_strides)) -> bool
  *
@@ -421,7 +375,7 @@ static PyMethodDef methods[] = {
     {"conv_u8", conv_u8, METH_VARARGS, "A conv as fbgemm or qnnpack computes it, on AMX tiles."},
     {"linear_rows_u8", linear_rows_u8, METH_VARARGS, "A Linear on a few rows as fbgemm or qnnpack computes it."},
     {"linear_rows_onednn", linear_rows_onednn, METH_VARARGS, "A Linear on a few rows as oneDNN computes it."},
-    {"conv3x3_onednn", conv3x3_onednn, METH_VARARGS, "A 3x3 conv as oneDNN computes it, as Winograd F(2x2, 3x3)."},
+    {"conv3x3_onednn", fxq_py_conv3x3_onednn, METH_VARARGS, "A 3x3 conv as oneDNN computes it, by Winograd."},
     {"copy_rows", copy_rows, METH_VARARGS, "Copy rows of bytes between two strided 2-d layouts."},
     {"patches_u8", patches_u8, METH_VARARGS, "A kernel == stride transposed conv as fbgemm's Linear, in place."},
     {"quantize_rows_s8", fxq_py_quantize_rows_s8, METH_VARARGS, "Symmetric per-row int8 of float32 rows (per token)."},

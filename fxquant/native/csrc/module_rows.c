@@ -1,7 +1,7 @@
 /* fxquant.native._native: the entry points of the row loops an LLM's Linears use (weight_only.c, int8_rows.c,
- * int8_groups.c and elementwise.c's per-token quantize and rescale) and of attention (attention.c,
- * full_attention.c), kept apart from module.c for size; module.c's method table lists them (module_rows.h). The
- * same conventions as module.c: tuples per struct, checked arguments, the GIL released. */
+ * int8_groups.c and elementwise.c's per-token quantize and rescale), of attention (attention.c, full_attention.c)
+ * and of the Winograd conv (winograd_avx2.c), kept apart from module.c for size; module.c's method table lists them
+ * (module_rows.h). The same conventions as module.c: tuples per struct, checked arguments, the GIL released. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
@@ -201,4 +201,46 @@ PyObject *fxq_py_full_attention_f32(PyObject *self, PyObject *args) {
     p.out = PTR(float, out_addr);
     p.mask = PTR(const void, mask_addr);
     RUN_AND_RETURN(fxq_full_attention_f32(&p), Py_RETURN_TRUE);
+}
+
+/* conv3x3_onednn((x_ptr, n, h, w, c, pad_h, pad_w, zx), (u_ptr, mult_ptr, bias_ptr, c16, k16, out_channels),
+ *                (zx, zo, relu, float_out, qmax, dst_inv), (sum, sum_scale, sum_zero_point), (out_ptr, out_h, out_w))
+ *     -> bool
+ *
+ * A 3x3 conv of stride 1 on contiguous channels-last uint8 as Winograd F(2x2, 3x3) with oneDNN's requantization
+ * (WinoInput, WinoWeights, OnednnRequant; the requant's zx is unused: the input's is the one), into contiguous
+ * channels-last uint8 (n, out_h, out_w, out_channels), read first as the accumulator with sum. The integer sums are
+ * exact for c <= 1827 (ValueError above); oneDNN's equal them on 7-bit inputs, which the caller guarantees. False
+ * (nothing written) without AVX2. */
+PyObject *fxq_py_conv3x3_onednn(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, u_addr, mult_addr, bias_addr, out_addr;
+    WinoInput x;
+    WinoWeights w;
+    OnednnRequant r;
+    OnednnSum sum;
+    int with_sum;
+    long long out_h, out_w;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KLLLLLLL)(KKKLLL)(LLppLf)(pfL)(KLL)", &x_addr, &x.n, &x.h, &x.w, &x.c, &x.pad_h,
+                          &x.pad_w, &x.zx, &u_addr, &mult_addr, &bias_addr, &w.c16, &w.k16, &w.out_channels, &r.zx,
+                          &r.zo, &r.relu, &r.float_out, &r.qmax, &r.dst_inv, &with_sum, &sum.scale, &sum.zero_point,
+                          &out_addr, &out_h, &out_w))
+        return NULL;
+    if (x.n < 1 || x.c < 1 || x.c > 1827 || x.pad_h < 0 || x.pad_w < 0 || x.pad_h > 2 || x.pad_w > 2 ||
+        out_h != x.h + 2 * x.pad_h - 2 || out_w != x.w + 2 * x.pad_w - 2 || out_h < 1 || out_w < 1 ||
+        w.c16 != (x.c + 15) / 16 * 16 || w.out_channels < 1 || w.k16 != (w.out_channels + 15) / 16 * 16 ||
+        x.zx < 0 || x.zx > 255 || r.zo < 0 || r.zo > 255 || r.qmax < 0 || r.qmax > 255 || r.float_out ||
+        sum.zero_point < 0 || sum.zero_point > 255) {
+        PyErr_SetString(PyExc_ValueError, "conv3x3_onednn: needs 1 to 1827 input channels, padding 0 to 2, the 3x3 "
+                                          "output size, c16 and k16 rounded up to 16, uint8 zero points and output");
+        return NULL;
+    }
+    x.data = PTR(const uint8_t, x_addr);
+    w.u = PTR(const int16_t, u_addr);
+    w.mult = PTR(const float, mult_addr);
+    w.bias = PTR(const float, bias_addr);
+    if (!fxq_avx2_usable())
+        Py_RETURN_FALSE;
+    const OnednnSum *summed = with_sum ? &sum : NULL;
+    RUN_AND_RETURN(fxq_conv3x3_winograd_avx2(&x, &w, &r, summed, PTR(uint8_t, out_addr), out_h, out_w), Py_RETURN_TRUE);
 }
