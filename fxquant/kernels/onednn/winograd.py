@@ -4,8 +4,8 @@ Without VNNI every int8 kernel is bound by its multiplies: oneDNN's sums pairs o
 ``vpmaddubsw`` then ``vpmaddwd``, two multiply instructions per 32 products. Winograd F(2x2, 3x3) computes a 2x2
 tile of outputs with 16 products per input channel instead of 36, on transformed inputs and weights that fit int16,
 and ``vpmaddwd`` alone multiplies 16 int16 pairs at about the rate of oneDNN's pair (measured: 16.6 against 18.2
-GMAC/s on an AMD EPYC Zen 1); the transforms are additions. On that CPU a 3x3 layer takes about half oneDNN's time
-(docs/backends.md, "3x3 convs as Winograd F(2x2, 3x3)"). The kernel's integer sums are oneDNN's exactly (the
+GMAC/s on an AMD EPYC Zen 1); the transforms are additions. On that CPU a 3x3 layer takes 0.57-0.78 of oneDNN's
+time (docs/backends.md, "3x3 convs as Winograd F(2x2, 3x3)"). The kernel's integer sums are oneDNN's exactly (the
 transforms are integer, and the output transform's result, 4x the direct sum, is divided exactly), and it
 requantizes as oneDNN's primitive does (``fxquant/native/csrc/onednn_requant.h``): the same bytes as the primitive,
 sum post-op included (tests/kernels/test_onednn_winograd.py).
@@ -36,9 +36,10 @@ if TYPE_CHECKING:
     from fxquant.kernels.onednn.weights import Call, OnednnWeight
 
 FAMILY = "onednn_winograd"  # its thread limit in native.THREAD_LIMITS
-MAX_CHANNELS = 1024  # the kernel's int32 sums are exact to 1827 input channels of 8-bit inputs; a round bound below
-# below, the transforms (and inputs padded to 16 channels) outweigh the products: on the Zen 1 EPYC, 16 -> 16
-# channels took 1.04-1.06x oneDNN's time, 3 -> 16 3.5x, 32 -> 16 to 32 -> 64 0.78-0.87x (docs/backends.md)
+# The kernel's int32 sums are exact to 1827 input channels of 8-bit inputs: a round bound below that.
+MAX_CHANNELS = 1024
+# Below this, the transforms (and inputs padded to 16 channels) outweigh the products saved: on the Zen 1 EPYC,
+# 16 -> 16 channels took 1.04-1.06x oneDNN's time, 3 -> 16 3.5x, 32 -> 16 to 32 -> 64 0.77-0.88x (docs/backends.md).
 MIN_CHANNELS = 32
 
 
