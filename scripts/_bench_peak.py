@@ -200,7 +200,7 @@ def peak_line(what: str, macs: int, ms: float, who: str) -> str:
     isa, peak, assumption = int8_peak(ghz)
     # MACs are counted as the float model's direct convolutions have them; a Winograd conv multiplies fewer
     beyond = ("; above 100%: the count is the direct convolution's, and fxquant's Winograd 3x3 convs multiply 16 of "
-              "every 36 of those MACs (docs/backends.md)" if rate > peak else "")
+              "every 36 of those MACs (docs/backends.md)" if rate > peak and isa == "AVX2" else "")
     return (f"{what}: {rate:.1f} GMAC/s = {100 * rate / peak:.1f}% of {isa} peak ({peak:.0f} GMAC/s; clock "
             f"{ghz:.2f} GHz) - {who}, {macs / 1e9:.2f} GMAC per call in {ms:.2f} ms, one core; clock {how}; "
             f"{assumption}{beyond}")

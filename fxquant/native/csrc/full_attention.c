@@ -24,14 +24,6 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include "exp2.h"
-#ifdef _OPENMP
-#include <omp.h>
-#define THREADS() omp_get_max_threads()
-#define THREAD() omp_get_thread_num()
-#else
-#define THREADS() 1
-#define THREAD() 0
-#endif
 
 #define ROWS 32 /* query rows of one work item */
 #define RT 4    /* rows of a register tile: RT x 4 accumulators of 16 lanes */
@@ -197,7 +189,7 @@ __attribute__((target("avx512f"))) static void attention_avx512(const FullAttent
     for (int64_t i = 0; i < items; i++) {
         const int64_t b = i / (p->heads * blocks), h = i / blocks % p->heads, r0 = i % blocks * ROWS;
         const float *kh = kt + (b * p->kv_heads + h / (p->heads / p->kv_heads)) * p->dim * pitch;
-        float *qs = scratch + THREAD() * per_thread;
+        float *qs = scratch + FXQ_THREAD() * per_thread;
         const int rows = p->q_tokens - r0 < ROWS ? (int)(p->q_tokens - r0) : ROWS;
         item(p, kh, pitch, keys_pad, qs, qs + ROWS * p->dim, b, h, r0, rows);
     }
@@ -207,7 +199,7 @@ int fxq_full_attention_f32(const FullAttention *p) {
     const int64_t keys_pad = (p->kv_tokens + 15) / 16 * 16, pitch = keys_pad + 16;
     const int64_t per_thread = ROWS * (p->dim + keys_pad);
     float *kt = (float *)malloc((size_t)(p->batch * p->kv_heads * p->dim * pitch) * sizeof(float));
-    float *scratch = (float *)malloc((size_t)(THREADS() * per_thread) * sizeof(float));
+    float *scratch = (float *)malloc((size_t)(FXQ_THREADS() * per_thread) * sizeof(float));
     const int status = kt == NULL || scratch == NULL ? -1 : 0;
     if (status == 0)
         attention_avx512(p, kt, scratch, pitch, keys_pad, per_thread);

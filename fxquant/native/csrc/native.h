@@ -54,6 +54,15 @@
 #define FXQ_PARALLEL_FOR_DEALT(cond)
 #endif
 #define FXQ_PARALLEL_WORK ((int64_t)1 << 16) /* weights (or values) below which one thread finishes first */
+/* The team a parallel loop would split over, and this thread's place in it, for loops that size scratch per thread */
+#ifdef _OPENMP
+#include <omp.h>
+#define FXQ_THREADS() omp_get_max_threads()
+#define FXQ_THREAD() omp_get_thread_num()
+#else
+#define FXQ_THREADS() 1
+#define FXQ_THREAD() 0
+#endif
 
 /* The instruction sets the loops may use, capped by FXQUANT_ISA (fxquant.native.isa, set once by fxquant.native
  * through set_isa_cap): 0 AVX2, 1 AVX512, 2 AVX512-VNNI, 3 AMX. A loop runs where both the cap and the CPU allow

@@ -27,13 +27,6 @@
 
 #include "onednn_requant.h"
 
-#ifdef _OPENMP
-#include <omp.h>
-#define THREADS() omp_get_max_threads()
-#else
-#define THREADS() 1
-#endif
-
 #define TILES 24 /* tiles per block, a multiple of ROWS */
 #define ROWS 6   /* tiles per register block */
 #define OUTS 16  /* outputs per register block: two ymm of eight */
@@ -173,7 +166,7 @@ __attribute__((target("avx2"))) int fxq_conv3x3_winograd_avx2(const WinoInput *x
      * each block's outputs split too, so that each thread gets about four items (their inputs are transformed once
      * per item: a few percent of the work) */
     const int64_t blocks = (tiles + TILES - 1) / TILES, size = ((tiles + blocks - 1) / blocks + ROWS - 1) / ROWS * ROWS;
-    const int64_t threads = THREADS(), wanted = (4 * threads + blocks - 1) / blocks;
+    const int64_t threads = FXQ_THREADS(), wanted = (4 * threads + blocks - 1) / blocks;
     const int64_t splits = threads == 1 ? 1 : wanted < chunks ? wanted : chunks, items = blocks * splits;
     /* the scratch is zeroed once: the register blocks past a block's last tile read it and their products are
      * never stored */
