@@ -167,6 +167,19 @@ def test_stage_not_reached_yet(run: Path, digits_weights: Path, tmp_path: Path) 
     assert "already holds a run" in line
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (("--model", "no_such_pkg.mod:f", "--example-inputs", "1x4"), "cannot import module 'no_such_pkg.mod'"),
+    (("--model", "fxquant.models:nope", "--example-inputs", "1x4"), "has no attribute 'nope'"),
+    (("--model", "fxquant.models:mlp_net", "--example-inputs", "1by1024"), "'1by1024' is not a shape"),
+    (("--model", "fxquant.models:mlp_net", "--example-inputs", "1x7"), "rejects the example inputs"),
+    (("--model", "fxquant.models:mlp_net", "--example-inputs", "1x1024", "--config", "missing.yaml"),
+     "does not exist"),
+])
+def test_graph_on_bad_input_exits_2_with_one_line(args: tuple[str, ...], message: str) -> None:
+    outcome = main_cli("graph", *args)  # the real process's one line: test_real_process_reports_one_line
+    assert outcome.returncode == 2 and message in error_line(outcome, "graph")
+
+
 def test_real_process_reports_one_line(run: Path) -> None:
     before = snapshot(run)
     result = run_cli("calibrate", str(run), "--data", "no_such_pkg:data")
