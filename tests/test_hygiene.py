@@ -197,7 +197,7 @@ def test_import_fxquant_pulls_in_no_optional_dependency() -> None:
 def _strict_imports() -> dict[str, str]:
     """Each shim imported in one fresh interpreter with DeprecationWarning an error: shim -> the error, or '' where
     the import passed (one interpreter for all: each start-up imports torch)."""
-    code = ("import importlib, json, sys\nout = {}\n"
+    code = ("import importlib, json\nout = {}\n"
             f"for shim in {sorted(SHIMS)!r}:\n"
             "    try:\n        importlib.import_module(shim)\n        out[shim] = ''\n"
             "    except DeprecationWarning as e:\n        out[shim] = str(e)\n"

@@ -26,7 +26,7 @@ import hf_zoo  # after importorskip: it imports transformers
 import onnxruntime as ort
 
 # the default suite's two: an encoder with a conv stem (ViT) and a decoder on HF's Conv1D (GPT-2), 35 and 38 s on a
-# Zen 1 core; the other families' exports (23-53 s each) run with -m slow
+# Zen 1 core; the other families' exports (31-53 s each) run with -m slow
 DEFAULT = {"vit", "gpt2"}
 # torch.onnx 2.13 cannot export these float models either ("Cannot view a tensor ... as", a view after a transpose)
 ONNX_CANNOT = {"t5_encoder", "swin"}
