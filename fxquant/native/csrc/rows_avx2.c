@@ -25,7 +25,8 @@
 
 #include "onednn_requant.h"
 
-#define GROUPS 8 /* of eight output channels: a 64-channel block */
+#define GROUPS 8      /* of eight output channels: a 64-channel block */
+#define PREFETCH 768 /* bytes ahead: three steps of four inputs (512-2048 measured alike) */
 
 /* the VNNI loop's requantization of eight channels' sums at col, saturated to [relu ? zo : 0, qmax]; n stored */
 __attribute__((target("avx2"), always_inline)) static inline void requantize8(
@@ -59,9 +60,12 @@ __attribute__((target("avx2"), always_inline)) static inline void onednn8(
 }
 
 /* One row's sums against one block of 64 output channels from col0: eight groups of eight in eight accumulators,
- * the block's 256 bytes per four inputs read in order */
+ * the block's 256 bytes per four inputs read in order. `first`: the block's first row, whose weights come from
+ * memory: it prefetches PREFETCH bytes ahead, which keeps more lines in flight than the hardware's prefetcher does
+ * alone (docs/backends.md, "Few-row Linears on CPUs with AVX2 alone"); the next rows find the block in L2 */
 __attribute__((target("avx2"), always_inline)) static inline void block_sums(const GemmWeights *w, const uint8_t *x,
-                                                                             const int64_t col0, __m256i acc[GROUPS]) {
+                                                                             const int64_t col0, const int first,
+                                                                             __m256i acc[GROUPS]) {
     const int64_t k = w->in_channels, full = k / 4, tail = k % 4;
     const int8_t *wt = w->w + (col0 / 64) * ((k + 3) / 4) * 256;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -75,6 +79,9 @@ __attribute__((target("avx2"), always_inline)) static inline void block_sums(con
             for (int64_t j = 0; j < tail; j++)
                 four |= (int32_t)x[4 * kk + j] << (8 * j);
         const __m256i a = _mm256_set1_epi32(four);
+        if (first) /* (past the weights' end a prefetch is dropped: it never faults) */
+            for (int line = 0; line < 4; line++)
+                _mm_prefetch((const char *)(wt + kk * 256 + PREFETCH + 64 * line), _MM_HINT_T0);
         for (int g = 0; g < GROUPS; g++) {
             const __m256i b = _mm256_loadu_si256((const __m256i *)(wt + kk * 256 + 32 * g));
             acc[g] = _mm256_add_epi32(acc[g], _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), ones));
@@ -96,7 +103,7 @@ __attribute__((target("avx2"), always_inline)) static inline void rows_loop(cons
     for (int64_t block = 0; block < blocks; block++)
         for (int64_t row = 0; row < rows; row++) {
             __m256i acc[GROUPS];
-            block_sums(w, x->data + row * x->stride, 64 * block, acc);
+            block_sums(w, x->data + row * x->stride, 64 * block, row == 0, acc);
             uint8_t *dst = out->data + row * out->stride;
             for (int64_t g = 0, col = 64 * block; g < GROUPS && col < w->out_channels; g++, col += 8) {
                 if (onednn)
