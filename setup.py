@@ -17,9 +17,10 @@ POSIX = sys.platform != "win32"
 NATIVE_SOURCES = [f"fxquant/native/csrc/{name}.c"
                   for name in ("module", "module_rows", "histogram", "elementwise", "amx_gemm", "rows_avx2", "patches",
                                "weight_only", "int8_rows", "int8_groups", "attention", "full_attention", "pool",
-                               "winograd_avx2")]
+                               "winograd_avx2", "depthwise_avx2")]
 NATIVE_HEADERS = ["fxquant/native/csrc/native.h", "fxquant/native/csrc/gemm.h", "fxquant/native/csrc/module_rows.h",
-                  "fxquant/native/csrc/exp2.h", "fxquant/native/csrc/onednn_requant.h"]
+                  "fxquant/native/csrc/exp2.h", "fxquant/native/csrc/onednn_requant.h",
+                  "fxquant/native/csrc/avx2_convs.h"]
 # OpenMP for the few-row Linear loops, which split their outputs over torch's intra-op threads: on Linux the
 # extension links libgomp.so.1 by name, and torch has loaded its own copy of that library by then, so both share
 # one runtime and one thread pool (fxquant.native imports torch first)

@@ -8,8 +8,9 @@ the ratio holds on a noisy machine. The loops run on one thread, and only up to 
 2**20 multiply-adds and the VNNI row loop below, or with VNNI but no AMX the row loop where ``NativeConv.takes``
 says; with AVX2 alone, fbgemm's Linears take the AVX2 row loop within the same limits, and so do the onednn
 backend's up to ``fxquant.kernels.onednn.rows.MAX_ROWS`` rows (against oneDNN's matmul primitive, which fxquant
-builds for the same layer), and its 3x3 convs of stride 1 take the Winograd kernel (``fxquant.kernels.onednn.winograd``,
-against oneDNN's conv primitive). Tables: ``docs/amx.md`` and, for onednn, ``docs/backends.md``.
+builds for the same layer), its 3x3 convs of stride 1 take the Winograd kernel (``fxquant.kernels.onednn.winograd``)
+and its depthwise 3x3 convs the depthwise loop (``fxquant.kernels.onednn.depthwise``), against oneDNN's conv
+primitive. Tables: ``docs/amx.md`` and, for onednn, ``docs/backends.md``.
 
     python scripts/bench_amx_layers.py [--threads N] [--budget SECONDS]
 """
@@ -25,6 +26,7 @@ import torch
 
 from fxquant import native
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
+from fxquant.kernels.onednn import depthwise as onednn_depthwise
 from fxquant.kernels.onednn import rows as onednn_rows
 from fxquant.kernels.onednn import winograd as onednn_winograd
 from fxquant.kernels.registry import available_backends, get_backend
@@ -51,6 +53,10 @@ ONEDNN_LINEARS = [(1024, 1024, rows) for rows in (1, 2, 4, 8, 16, 32, 48, 64)] +
 ONEDNN_CONVS = [(c, c, size, batch) for batch in (1, 32) for c, size in ((64, 56), (128, 28), (256, 14), (512, 7))] + [
     (3, 16, 64, 1), (16, 16, 64, 8), (24, 24, 56, 1), (16, 64, 56, 1), (32, 16, 64, 8), (32, 32, 56, 1),
     (32, 32, 112, 1), (64, 16, 56, 1)]
+# MobileNetV2's depthwise layers at 224x224: (channels, input size, stride, batch)
+ONEDNN_DEPTHWISE = [(32, 112, 1, 1), (96, 112, 2, 1), (144, 56, 1, 1), (144, 56, 2, 1), (192, 28, 1, 1),
+                    (192, 28, 2, 1), (384, 14, 1, 1), (576, 14, 1, 1), (576, 14, 2, 1), (960, 7, 1, 1),
+                    (144, 56, 1, 32), (960, 7, 1, 32)]
 
 
 def _weight_qp(channels: int) -> QParams:
@@ -86,14 +92,18 @@ def _onednn_linear(k: int, n: int, rows: int) -> tuple[Callable[[], Any], Callab
                         lambda packed: backend.linear(a, packed, in_qp, out_qp, relu=True))
 
 
-def _onednn_conv(cin: int, cout: int, size: int, batch: int) -> tuple[Callable[[], Any], Callable[[], Any]]:
-    """The onednn backend's 3x3 conv (padding 1) with the Winograd kernel, and on the same layer's primitive."""
+def _onednn_conv(cin: int, cout: int, size: int, batch: int, *, depthwise: bool = False,
+                 stride: int = 1) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """The onednn backend's 3x3 conv (padding 1) with fxquant's loop - the Winograd kernel, or with ``depthwise`` (one
+    group per channel) the depthwise loop - and on the same layer's primitive."""
     backend, (in_qp, out_qp) = get_backend("onednn"), SEVEN_BIT_QPS
     a = backend.quantize(torch.randn(batch, cin, size, size), in_qp).contiguous(memory_format=torch.channels_last)
-    weight = torch.randint(-128, 128, (cout, cin, 3, 3)).to(torch.int8)
+    groups = cin if depthwise else 1
+    weight = torch.randint(-128, 128, (cout, cin // groups, 3, 3)).to(torch.int8)
     w_qp, bias = _weight_qp(cout), torch.randn(cout)
-    spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1)
-    return _onednn_pair(onednn_winograd, "winograd_call",
+    spec = ConvSpec(2, (stride, stride), (1, 1), (1, 1), groups)
+    module, name = (onednn_depthwise, "depthwise_call") if depthwise else (onednn_winograd, "winograd_call")
+    return _onednn_pair(module, name,
                         lambda: backend.prepack_conv(weight, w_qp, bias, spec, in_qp=in_qp),
                         lambda packed: backend.conv(a, packed, in_qp, out_qp, relu=True))
 
@@ -156,6 +166,10 @@ def main() -> None:
         for cin, cout, size, batch in ONEDNN_CONVS:
             print(_row(f"{cin} -> {cout}, {batch}x{cin}x{size}x{size}", _onednn_conv(cin, cout, size, batch), args),
                   flush=True)
+        print("\n| onednn depthwise 3x3 conv, input | depthwise loop | oneDNN primitive | ratio |\n|---|---|---|---|")
+        for c, size, stride, batch in ONEDNN_DEPTHWISE:
+            label = f"{c} channels{' stride 2' if stride == 2 else ''}, {batch}x{c}x{size}x{size}"
+            print(_row(label, _onednn_conv(c, c, size, batch, depthwise=True, stride=stride), args), flush=True)
 
 
 def _linear_path(backend: Backend, k: int, n: int, rows: int) -> str:

@@ -40,8 +40,8 @@ if loops is not None:
 
 
 # The thread rule. The loops here run on one thread (except the dynamic and weight-only Linears' few-row loops, the
-# AVX2 few-row Linear, the Winograd conv and the per-token quantize and rescale, which split their outputs over
-# torch's OpenMP threads),
+# AVX2 few-row Linear, the Winograd and depthwise convs and the per-token quantize and rescale, which split their
+# outputs over torch's OpenMP threads),
 # while the kernels they replace (fbgemm's, qnnpack's, torch's element-wise ops) split their work across torch's
 # intra-op threads. So each family runs only up to the largest torch thread count at which it was measured faster
 # than what it replaces, and yields to that kernel above it, at any thread count (docs/amx.md "Threads" gives the
@@ -52,8 +52,8 @@ if loops is not None:
 # head and 32 rows for the full one, split evenly) go to all of torch's threads, as torch's flash attention splits
 # the same heads and rows.
 THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "avx2_linear": 2, "onednn_linear": 2,
-                 "onednn_winograd": 2, "upsample": 1, "elementwise": 2, "histogram": 4, "weight_only": 2,
-                 "int8_rows": 2, "int8_groups": sys.maxsize, "attention": sys.maxsize}
+                 "onednn_winograd": 2, "onednn_depthwise": 2, "upsample": 1, "elementwise": 2, "histogram": 4,
+                 "weight_only": 2, "int8_rows": 2, "int8_groups": sys.maxsize, "attention": sys.maxsize}
 
 
 def loops_for(family: str = "elementwise") -> ModuleType | None:

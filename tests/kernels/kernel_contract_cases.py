@@ -7,7 +7,7 @@ backend receives exactly the same integers whatever its activation representatio
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,6 +119,28 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
     line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")
     return frozenset(line.split(":", 1)[1].split())
+
+
+def at_thread_counts(family: str, run: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+    """``run()`` at one thread and at ``family``'s limit (``native.THREAD_LIMITS``): a loop's results at both."""
+    previous = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, native.THREAD_LIMITS[family]):
+            torch.set_num_threads(threads)
+            outs.append(run())
+        return outs
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextmanager
+def declined(monkeypatch: pytest.MonkeyPatch, module: Any, builder: str) -> Iterator[None]:
+    """Calls bound inside go to oneDNN's primitive: ``module.builder`` (a C loop's call builder, which returns None
+    for a layer the loop does not take) declines every layer."""
+    with monkeypatch.context() as patch:
+        patch.setattr(module, builder, lambda *args, **kwargs: None)
+        yield
 
 
 @contextmanager

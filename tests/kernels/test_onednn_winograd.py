@@ -11,12 +11,18 @@ The kernel runs where AVX2 is the highest instruction set fxquant may use: CPUs 
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
-from kernel_contract_cases import Layer, count_calls, loop_threads, make_layer, require_avx2_alone
+from kernel_contract_cases import (
+    Layer,
+    at_thread_counts,
+    count_calls,
+    declined,
+    loop_threads,
+    make_layer,
+    require_avx2_alone,
+)
 
 from fxquant import native
 from fxquant.kernels import recording
@@ -37,14 +43,6 @@ ACCUM_QP = QParams(torch.tensor(0.21), torch.tensor(5), 0, 127)
 # half outside the output), a row of one, the largest padding, ResNet's deepest layer
 GEOMETRIES = [(1, 64, 64, 14, 14, 1), (2, 40, 24, 9, 7, 1), (1, 32, 5, 5, 6, 0), (1, 33, 33, 8, 8, 2),
               (3, 48, 16, 1, 3, 1), (1, 512, 512, 7, 7, 1)]
-
-
-@contextmanager
-def _declined(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Calls bound inside go to oneDNN's primitive: the Winograd kernel declines every layer."""
-    with monkeypatch.context() as patch:
-        patch.setattr(onednn_winograd, "winograd_call", lambda *args, **kwargs: None)
-        yield
 
 
 def _layer(geometry: tuple[int, ...], per_channel: bool, bias: bool, seed: int) -> tuple[Layer, ConvSpec]:
@@ -92,7 +90,7 @@ def test_the_kernel_gives_the_primitives_bytes(monkeypatch: pytest.MonkeyPatch, 
     calls = count_calls(monkeypatch, "conv3x3_onednn")
     with loop_threads(onednn_winograd.FAMILY):
         mine, packed = _conv(layer, spec, relu=relu, add=add)
-        with _declined(monkeypatch):
+        with declined(monkeypatch, onednn_winograd, "winograd_call"):
             theirs, primitive = _conv(layer, spec, relu=relu, add=add)
     assert calls == [1], "the Winograd kernel did not run: the test would compare the primitive with itself"
     assert any(hasattr(call, "loop") for call in packed.payload.calls.values())
@@ -112,7 +110,7 @@ def test_the_input_zero_point_folded_or_not(monkeypatch: pytest.MonkeyPatch, fol
     calls = count_calls(monkeypatch, "conv3x3_onednn")
     with loop_threads(onednn_winograd.FAMILY):
         mine, packed = _conv(layer, spec, relu=True, add=False, folded=folded)
-        with _declined(monkeypatch):
+        with declined(monkeypatch, onednn_winograd, "winograd_call"):
             theirs, _ = _conv(layer, spec, relu=True, add=False, folded=folded)
     assert (operands(packed.payload, layer.in_qp)[1] == 0) == folded  # the zero point the call passes
     assert calls == [1]
@@ -140,7 +138,7 @@ def test_the_widest_layer_sums_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
         a = q_x.contiguous(memory_format=torch.channels_last)
         mine = onednn.conv(a, onednn.prepack_conv(q_w, layer.w_qp, None, spec, in_qp=layer.in_qp), layer.in_qp,
                            wide, relu=False)
-        with _declined(monkeypatch):
+        with declined(monkeypatch, onednn_winograd, "winograd_call"):
             theirs = onednn.conv(a, onednn.prepack_conv(q_w, layer.w_qp, None, spec, in_qp=layer.in_qp), layer.in_qp,
                                  wide, relu=False)
     assert calls == [1]
@@ -153,14 +151,7 @@ def test_the_bytes_do_not_depend_on_the_thread_count(monkeypatch: pytest.MonkeyP
     require_avx2_alone("Winograd convs")
     layer, spec = _layer((1, 256, 256, 14, 14, 1), per_channel=True, bias=True, seed=10)
     calls = count_calls(monkeypatch, "conv3x3_onednn")
-    previous = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, native.THREAD_LIMITS[onednn_winograd.FAMILY]):
-            torch.set_num_threads(threads)
-            outs.append(_conv(layer, spec, relu=True, add=True)[0])
-    finally:
-        torch.set_num_threads(previous)
+    outs = at_thread_counts(onednn_winograd.FAMILY, lambda: _conv(layer, spec, relu=True, add=True)[0])
     assert len(calls) == 2
     assert torch.equal(outs[0], outs[1])
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fxquant.kernels.base import ConvAddQParams
+from fxquant.kernels.onednn import depthwise as onednn_depthwise
 from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.onednn import rows as onednn_rows
 from fxquant.kernels.onednn import winograd as onednn_winograd
@@ -53,9 +54,10 @@ def bind_conv(w: OnednnWeight, shape: tuple[int, ...], in_qp: QParams, output: O
         shape = (shape[0], shape[1], 1, *shape[2:])
     if needs_workaround(shape, w):
         return lambda a: padded_conv(a, w, in_qp, output, post_op, within)
-    winograd = onednn_winograd.winograd_call(w, shape, in_qp, output, post_op, within, (x_scale, x_zp, bias))
-    if winograd:
-        return winograd
+    loop = (onednn_winograd.winograd_call(w, shape, in_qp, output, post_op, within, (x_scale, x_zp, bias))
+            or onednn_depthwise.depthwise_call(w, shape, in_qp, output, post_op, within, (x_scale, x_zp, bias)))
+    if loop:
+        return loop
     plain = direct_weight(w)  # a conv keeps its plain weight (only a Linear's primitives hold theirs alone)
     direct = isinstance(plain, torch.Tensor) and onednn_direct.conv(plain, w.scale, bias, spec, shape,
                                                                     out_shape(shape, w, spec.padding),

@@ -64,6 +64,8 @@ class OnednnWeight:
     row_layout: torch.Tensor | None = field(default=None, compare=False)
     # a 3x3 conv's weight transformed for the Winograd kernel (``winograd``), made for the first call it takes
     winograd: torch.Tensor | None = field(default=None, compare=False)
+    # a depthwise 3x3 conv's weight in the depthwise loop's layout (``depthwise``), made for the first call it takes
+    depthwise: torch.Tensor | None = field(default=None, compare=False)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OnednnWeight:
         # The packed tensors are opaque (no storage to copy) and never modified after packing, so copies share them.

@@ -376,6 +376,7 @@ static PyMethodDef methods[] = {
     {"linear_rows_u8", linear_rows_u8, METH_VARARGS, "A Linear on a few rows as fbgemm or qnnpack computes it."},
     {"linear_rows_onednn", linear_rows_onednn, METH_VARARGS, "A Linear on a few rows as oneDNN computes it."},
     {"conv3x3_onednn", fxq_py_conv3x3_onednn, METH_VARARGS, "A 3x3 conv as oneDNN computes it, by Winograd."},
+    {"dwconv3x3_onednn", fxq_py_dwconv3x3_onednn, METH_VARARGS, "A depthwise 3x3 conv as oneDNN computes it."},
     {"copy_rows", copy_rows, METH_VARARGS, "Copy rows of bytes between two strided 2-d layouts."},
     {"patches_u8", patches_u8, METH_VARARGS, "A kernel == stride transposed conv as fbgemm's Linear, in place."},
     {"quantize_rows_s8", fxq_py_quantize_rows_s8, METH_VARARGS, "Symmetric per-row int8 of float32 rows (per token)."},

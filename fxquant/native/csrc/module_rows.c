@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "module_rows.h"
+#include "avx2_convs.h"
 #include "native.h"
 
 #define PTR(type, addr) ((type *)(uintptr_t)(addr))
@@ -243,4 +244,39 @@ PyObject *fxq_py_conv3x3_onednn(PyObject *self, PyObject *args) {
         Py_RETURN_FALSE;
     const OnednnSum *summed = with_sum ? &sum : NULL;
     RUN_AND_RETURN(fxq_conv3x3_winograd_avx2(&x, &w, &r, summed, PTR(uint8_t, out_addr), out_h, out_w), Py_RETURN_TRUE);
+}
+
+/* dwconv3x3_onednn((x_ptr, n, h, w, c, pad_h, pad_w, stride, zx), (w_ptr, offset_ptr, mult_ptr, bias_ptr),
+ *                  (zx, zo, relu, float_out, qmax, dst_inv), (out_ptr, out_h, out_w)) -> bool
+ *
+ * A depthwise 3x3 conv of stride 1 or 2 and padding 0 or 1 on contiguous channels-last uint8 (c a multiple of 8)
+ * with oneDNN's requantization (DwInput, DwWeights, OnednnRequant; the requant's zx is unused: the input's is the
+ * one), into contiguous channels-last uint8 (n, out_h, out_w, c). False (nothing written) without AVX2. */
+PyObject *fxq_py_dwconv3x3_onednn(PyObject *self, PyObject *args) {
+    unsigned long long x_addr, w_addr, offset_addr, mult_addr, bias_addr, out_addr;
+    DwInput x;
+    DwWeights w;
+    OnednnRequant r;
+    long long out_h, out_w;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KLLLLLLLL)(KKKK)(LLppLf)(KLL)", &x_addr, &x.n, &x.h, &x.w, &x.c, &x.pad_h, &x.pad_w,
+                          &x.stride, &x.zx, &w_addr, &offset_addr, &mult_addr, &bias_addr, &r.zx, &r.zo, &r.relu,
+                          &r.float_out, &r.qmax, &r.dst_inv, &out_addr, &out_h, &out_w))
+        return NULL;
+    if (x.n < 1 || x.c < 8 || x.c % 8 || x.pad_h < 0 || x.pad_w < 0 || x.pad_h > 1 || x.pad_w > 1 || x.stride < 1 ||
+        x.stride > 2 || out_h != (x.h + 2 * x.pad_h - 3) / x.stride + 1 || out_w != (x.w + 2 * x.pad_w - 3) / x.stride + 1 ||
+        x.h + 2 * x.pad_h < 3 || x.w + 2 * x.pad_w < 3 || x.zx < 0 || x.zx > 255 || r.zo < 0 || r.zo > 255 ||
+        r.qmax < 0 || r.qmax > 255 || r.float_out) {
+        PyErr_SetString(PyExc_ValueError, "dwconv3x3_onednn: needs channels a multiple of 8, padding 0 or 1, stride 1 "
+                                          "or 2, the conv's output size, uint8 zero points and output");
+        return NULL;
+    }
+    x.data = PTR(const uint8_t, x_addr);
+    w.w = PTR(const int16_t, w_addr);
+    w.offset = PTR(const int32_t, offset_addr);
+    w.mult = PTR(const float, mult_addr);
+    w.bias = PTR(const float, bias_addr);
+    if (!fxq_avx2_usable())
+        Py_RETURN_FALSE;
+    RUN_AND_RETURN(fxq_dwconv3x3_avx2(&x, &w, &r, PTR(uint8_t, out_addr), out_h, out_w), Py_RETURN_TRUE);
 }

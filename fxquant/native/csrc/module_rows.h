@@ -14,5 +14,6 @@ FXQ_INTERNAL PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_causal_attention_f32(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_full_attention_f32(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_conv3x3_onednn(PyObject *self, PyObject *args);
+FXQ_INTERNAL PyObject *fxq_py_dwconv3x3_onednn(PyObject *self, PyObject *args);
 
 #endif

@@ -14,10 +14,9 @@
  *   attention.c   causal_attention_f32: a decoder's causal attention in float32 (fxquant/native/attention.py)
  *   full_attention.c full_attention_f32: attention over every key, with a mask, in float32 (the same wrapper)
  *   pool.c        max_pool_u8: a 2-d max pool of channels-last uint8 activations (fxquant/native/elementwise.py)
- *   winograd_avx2.c conv3x3_onednn: a 3x3 conv as Winograd F(2x2, 3x3) in exact integers on AVX2, with oneDNN's
- *                 requantization (fxquant/native/winograd.py)
+ *   winograd_avx2.c, depthwise_avx2.c: the onednn backend's AVX2 conv loops, declared in avx2_convs.h
  * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share; exp2.h: the attention
- * loops' 2^x; onednn_requant.h: oneDNN's requantization, for rows_avx2.c and winograd_avx2.c)
+ * loops' 2^x; onednn_requant.h: oneDNN's requantization, for rows_avx2.c and the AVX2 conv loops)
  * Each struct is one Python tuple of the same fields in the same order (fxquant/native/_native.pyi), and each kernel
  * gives the bytes of the torch or engine path it replaces (the tests compare them with torch.equal). setup.py
  * builds with -ffp-contract=off: no fused multiply-adds, so each float operation rounds where torch's does.
@@ -267,30 +266,8 @@ FXQ_INTERNAL void fxq_linear_rows_u8_avx2(const ByteRows *x, int64_t rows, const
 FXQ_INTERNAL void fxq_linear_rows_onednn_avx2(const ByteRows *x, int64_t rows, const GemmWeights *weights,
                                              const OnednnRequant *requant, const ByteRows *out);
 
-/* ---- winograd_avx2.c ---- */
+/* (winograd_avx2.c and depthwise_avx2.c: avx2_convs.h) */
 
-/* A 3x3 conv of stride 1, dilation 1 and one group on channels-last uint8 (n, h, w, c), contiguous, padded by
- * (pad_h, pad_w) with the zero point zx. */
-typedef struct {
-    const uint8_t *data;
-    int64_t n, h, w, c, pad_h, pad_w, zx;
-} WinoInput;
-
-/* Its weights transformed for Winograd F(2x2, 3x3): u = (2G) g (2G)^T, int16, laid out (16, k16 / 16, c16 / 2, 16,
- * 2): for each of the 16 points, blocks of 16 outputs x 2 inputs per 64 bytes (zeros past c and out_channels);
- * mult (s_x * s_w) and bias per output, k16 floats each. */
-typedef struct {
-    const int16_t *u;
-    const float *mult, *bias;
-    int64_t c16, k16, out_channels;
-} WinoWeights;
-
-/* The conv's int32 sums (exact: the same integers as oneDNN's, for c up to 1827 channels of 8-bit inputs) requantized
- * as oneDNN's primitive (fxq_onednn_store8) into the channels-last uint8 output (n, out_h, out_w, out_channels), the
- * sum post-op's accumulator read from it where `sum` is not NULL. Only where fxq_avx2_usable(). -1: no memory for
- * the scratch (some outputs not written), else 0. */
-FXQ_INTERNAL int fxq_conv3x3_winograd_avx2(const WinoInput *x, const WinoWeights *w, const OnednnRequant *r,
-                                           const OnednnSum *sum, uint8_t *out, int64_t out_h, int64_t out_w);
 /* Only where fxq_vnni_usable(); amx: fxq_amx_usable(), read with the GIL. */
 FXQ_INTERNAL void fxq_patches_u8(const PatchInput *x, const PatchWeights *weights, const PatchRequant *requant,
                                  const PatchOutput *out, const int64_t kernel[2], int amx);

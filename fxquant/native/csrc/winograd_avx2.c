@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "native.h"
+#include "avx2_convs.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
