@@ -1,7 +1,7 @@
 """The onednn backend's depthwise 3x3 convs, on CPUs with AVX2 alone.
 
 Without VNNI, oneDNN's depthwise kernel sums 3.2-4.4 G products per second on an AMD EPYC Zen 1, where its 1x1
-convs sum 16-18 G: MobileNetV2's 17 depthwise layers took a fifth of the model's time at batch 1 for 3% of its
+convs sum 16-18 G: MobileNetV2's 17 depthwise layers took a fifth of the model's time at batch 1 for 7% of its
 products. fxquant's loop (``fxquant/native/csrc/depthwise_avx2.c``) multiplies eight channels' pairs of taps per
 ``vpmaddwd`` on inputs widened to int16: exact integer sums, oneDNN's requantization (``onednn_requant.h``), so the
 bytes are the primitive's (tests/kernels/test_onednn_depthwise.py); docs/backends.md, "Depthwise 3x3 convs", has

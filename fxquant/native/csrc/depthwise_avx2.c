@@ -37,9 +37,9 @@ __attribute__((target("avx2"), always_inline)) static inline __m256i block(const
     return _mm256_sub_epi32(acc, _mm256_loadu_si256((const __m256i *)(const void *)(w->offset + c0)));
 }
 
-__attribute__((target("avx2"), always_inline)) static inline void pixel(const uint8_t *const tap[10], const DwWeights *w,
-                                                                       const OnednnStore *k, const int64_t c,
-                                                                       uint8_t *dst) {
+__attribute__((target("avx2"), always_inline)) static inline void pixel(const uint8_t *const tap[10],
+                                                                       const DwWeights *w, const OnednnStore *k,
+                                                                       const int64_t c, uint8_t *dst) {
     int64_t c0 = 0;
     for (; c0 + 16 <= c; c0 += 16) {
         const __m256i s0 = block(tap, w, c0), s1 = block(tap, w, c0 + 8);
@@ -68,8 +68,8 @@ __attribute__((target("avx2"))) int fxq_dwconv3x3_avx2(const DwInput *x, const D
             const uint8_t *tap[10];
             for (int t = 0; t < 9; t++) {
                 const int64_t iy = oy * s - x->pad_h + t / 3, ix = ox * s - x->pad_w + t % 3;
-                tap[t] = iy < 0 || iy >= x->h || ix < 0 || ix >= x->w ? pad
-                                                                       : x->data + ((image * x->h + iy) * x->w + ix) * c;
+                const int inside = iy >= 0 && iy < x->h && ix >= 0 && ix < x->w;
+                tap[t] = inside ? x->data + ((image * x->h + iy) * x->w + ix) * c : pad;
             }
             tap[9] = pad;
             pixel(tap, &weights, &k, c, out + (row * out_w + ox) * c);

@@ -264,9 +264,9 @@ PyObject *fxq_py_dwconv3x3_onednn(PyObject *self, PyObject *args) {
                           &r.float_out, &r.qmax, &r.dst_inv, &out_addr, &out_h, &out_w))
         return NULL;
     if (x.n < 1 || x.c < 8 || x.c % 8 || x.pad_h < 0 || x.pad_w < 0 || x.pad_h > 1 || x.pad_w > 1 || x.stride < 1 ||
-        x.stride > 2 || out_h != (x.h + 2 * x.pad_h - 3) / x.stride + 1 || out_w != (x.w + 2 * x.pad_w - 3) / x.stride + 1 ||
-        x.h + 2 * x.pad_h < 3 || x.w + 2 * x.pad_w < 3 || x.zx < 0 || x.zx > 255 || r.zo < 0 || r.zo > 255 ||
-        r.qmax < 0 || r.qmax > 255 || r.float_out) {
+        x.stride > 2 || x.h + 2 * x.pad_h < 3 || x.w + 2 * x.pad_w < 3 ||
+        out_h != (x.h + 2 * x.pad_h - 3) / x.stride + 1 || out_w != (x.w + 2 * x.pad_w - 3) / x.stride + 1 ||
+        x.zx < 0 || x.zx > 255 || r.zo < 0 || r.zo > 255 || r.qmax < 0 || r.qmax > 255 || r.float_out) {
         PyErr_SetString(PyExc_ValueError, "dwconv3x3_onednn: needs channels a multiple of 8, padding 0 or 1, stride 1 "
                                           "or 2, the conv's output size, uint8 zero points and output");
         return NULL;
