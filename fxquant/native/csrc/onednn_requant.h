@@ -11,34 +11,18 @@
 
 #include "native.h"
 
-/* An OnednnRequant (and OnednnSum, or NULL) with its scalars broadcast, made once per call or output row by a loop
- * whose outputs are few products each (depthwise_avx2.c): read and converted per eight outputs they cost as much
- * as the requantization itself. */
-typedef struct {
-    __m256 dst_inv, zo, qmax, sum_scale, sum_zero_point;
-    int relu, float_out, summed;
-} OnednnStore;
-
-__attribute__((target("avx2"), always_inline)) static inline OnednnStore fxq_onednn_store(const OnednnRequant *r,
-                                                                                         const OnednnSum *sum) {
-    const OnednnStore k = {_mm256_set1_ps(r->dst_inv), _mm256_set1_ps((float)r->zo), _mm256_set1_ps((float)r->qmax),
-                           _mm256_set1_ps(sum != NULL ? sum->scale : 0.0f),
-                           _mm256_set1_ps(sum != NULL ? (float)sum->zero_point : 0.0f), (int)r->relu,
-                           (int)r->float_out, sum != NULL};
-    return k;
-}
-
-/* f = float(sums) * mult + bias (not fused: oneDNN multiplies, then adds); with a sum post-op, f += scale * (float(dst
+/* f = float(sums) * mult + bias (not fused: oneDNN multiplies, then adds); with `sum`, f += scale * (float(dst
  * before) - zp), oneDNN's sum post-op reading the destination; then max(f, 0) with relu. float_out stores f, else
  * rint(f * dst_inv + zo) saturated in float to [0, qmax] (a sum beyond int32 stays qmax): n of the eight outputs
  * stored at dst (bytes or float32). The order was pinned by emulating candidates against oneDNN's primitives
  * (tests/kernels/test_onednn_rows.py, test_onednn_winograd.py, test_onednn_depthwise.py compare bytes). */
-__attribute__((target("avx2"), always_inline)) static inline void fxq_onednn_store8k(
-    const __m256i sums, const float *mult, const float *bias, const OnednnStore *k, uint8_t *dst, const int64_t n) {
+__attribute__((target("avx2"), always_inline)) static inline void fxq_onednn_store8(
+    const __m256i sums, const float *mult, const float *bias, const OnednnRequant *r, const OnednnSum *sum,
+    uint8_t *dst, const int64_t n) {
     const int64_t stored = n < 8 ? n : 8;
     __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(mult));
     f = _mm256_add_ps(f, _mm256_loadu_ps(bias));
-    if (k->summed) {
+    if (sum != NULL) {
         __m128i before;
         if (stored == 8) {
             before = _mm_loadl_epi64((const __m128i *)dst);
@@ -48,11 +32,12 @@ __attribute__((target("avx2"), always_inline)) static inline void fxq_onednn_sto
             before = _mm_loadl_epi64((const __m128i *)tail);
         }
         const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(before));
-        f = _mm256_add_ps(f, _mm256_mul_ps(k->sum_scale, _mm256_sub_ps(q, k->sum_zero_point)));
+        f = _mm256_add_ps(f, _mm256_mul_ps(_mm256_set1_ps(sum->scale),
+                                           _mm256_sub_ps(q, _mm256_set1_ps((float)sum->zero_point))));
     }
-    if (k->relu)
+    if (r->relu)
         f = _mm256_max_ps(f, _mm256_setzero_ps());
-    if (k->float_out) {
+    if (r->float_out) {
         if (stored == 8) {
             _mm256_storeu_ps((float *)(void *)dst, f);
         } else {
@@ -62,8 +47,8 @@ __attribute__((target("avx2"), always_inline)) static inline void fxq_onednn_sto
         }
         return;
     }
-    f = _mm256_add_ps(_mm256_mul_ps(f, k->dst_inv), k->zo);
-    f = _mm256_min_ps(_mm256_max_ps(f, _mm256_setzero_ps()), k->qmax);
+    f = _mm256_add_ps(_mm256_mul_ps(f, _mm256_set1_ps(r->dst_inv)), _mm256_set1_ps((float)r->zo));
+    f = _mm256_min_ps(_mm256_max_ps(f, _mm256_setzero_ps()), _mm256_set1_ps((float)r->qmax));
     const __m256i q = _mm256_cvtps_epi32(f);
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
     const __m128i packed = _mm_packus_epi16(words, words);
@@ -74,14 +59,6 @@ __attribute__((target("avx2"), always_inline)) static inline void fxq_onednn_sto
         _mm_storeu_si128((__m128i *)bytes, packed);
         memcpy(dst, bytes, (size_t)stored);
     }
-}
-
-/* The same, from the OnednnRequant and OnednnSum (or NULL) themselves. */
-__attribute__((target("avx2"), always_inline)) static inline void fxq_onednn_store8(
-    const __m256i sums, const float *mult, const float *bias, const OnednnRequant *r, const OnednnSum *sum,
-    uint8_t *dst, const int64_t n) {
-    const OnednnStore k = fxq_onednn_store(r, sum);
-    fxq_onednn_store8k(sums, mult, bias, &k, dst, n);
 }
 
 #endif
