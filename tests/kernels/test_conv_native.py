@@ -297,17 +297,19 @@ def test_a_cpu_with_avx_vnni_alone_runs_neither_row_loop(monkeypatch: pytest.Mon
 
 
 class _SmallNet(nn.Module):
-    """Convs, a SiLU and Linears (the AMX and VNNI loops' layers), and a channel concat of two INT8 branches: its row
-    copies (``native.concat``) run on every backend and ISA level, so at one thread some loop always runs."""
+    """Convs, a depthwise conv (the onednn backend's AVX2 depthwise loop), a SiLU and Linears (the AMX and VNNI
+    loops' layers), and a channel concat of two INT8 branches: its row copies (``native.concat``) run on every backend
+    and ISA level, so at one thread some loop always runs."""
 
     def __init__(self) -> None:
         super().__init__()
         self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
         self.left, self.right = nn.Conv2d(16, 8, 3, padding=1), nn.Conv2d(16, 8, 1)
         self.fc1, self.fc2 = nn.Linear(16 * 8 * 8, 32), nn.Linear(32, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.relu(self.stem(x))
+        y = torch.relu(self.depthwise(torch.relu(self.stem(x))))
         y = nn.functional.silu(torch.cat([torch.relu(self.left(y)), torch.relu(self.right(y))], 1))
         return self.fc2(torch.relu(self.fc1(torch.flatten(y, 1))))
 
