@@ -7,6 +7,7 @@ backend receives exactly the same integers whatever its activation representatio
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from fxquant import native
 from fxquant.errors import BackendUnavailableError
 from fxquant.kernels.base import Backend, ConvSpec, PackedWeight
+from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.registry import available_backends, get_backend
 from fxquant.native.isa import ISA_LEVELS, has_avx512, has_vnni, isa_cap
 from fxquant.qparams import INT8_RANGE, QParams, affine_qparams, dequantize, fake_quantize
@@ -119,6 +121,12 @@ def cpu_flags() -> frozenset[str]:
         return frozenset()
     line = next((line for line in text.splitlines() if line.startswith("flags")), "flags:")
     return frozenset(line.split(":", 1)[1].split())
+
+
+# For the tests of fxquant's C loops that give the bytes of its own oneDNN primitives (rows, Winograd, depthwise):
+# without the primitives there is nothing to compare with.
+ONEDNN_PRIMITIVES = pytest.mark.skipif(platform.machine() != "x86_64" or not onednn_direct.available(),
+                                       reason=f"fxquant's oneDNN primitives do not run here: {onednn_direct.status()}")
 
 
 def at_thread_counts(family: str, run: Callable[[], torch.Tensor]) -> list[torch.Tensor]:

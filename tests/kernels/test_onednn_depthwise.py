@@ -9,11 +9,10 @@ The loop runs where AVX2 is the highest instruction set fxquant may use: CPUs wi
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 from kernel_contract_cases import (
+    ONEDNN_PRIMITIVES,
     Layer,
     at_thread_counts,
     count_calls,
@@ -26,13 +25,11 @@ from kernel_contract_cases import (
 from fxquant import native
 from fxquant.kernels.base import ConvSpec, PackedWeight
 from fxquant.kernels.onednn import depthwise as onednn_depthwise
-from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.onednn.weights import operands
 from fxquant.kernels.registry import get_backend
 from fxquant.qparams import QParams
 
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not onednn_direct.available(),
-                                reason=f"fxquant's oneDNN primitives do not run here: {onednn_direct.status()}")
+pytestmark = ONEDNN_PRIMITIVES
 
 OUT_QP = QParams(torch.tensor(0.093), torch.tensor(9), 0, 127)  # a 7-bit output, as convert gives without VNNI
 # (batch, channels, height, width, stride, padding): MobileNetV2's layers at both strides, odd sizes, a row of one,

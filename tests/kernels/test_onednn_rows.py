@@ -9,21 +9,26 @@ on any x86-64 CPU (``.ci/run`` runs this file so); elsewhere these tests skip an
 from __future__ import annotations
 
 import dataclasses
-import platform
 
 import pytest
 import torch
-from kernel_contract_cases import Layer, activation_range, count_calls, loop_threads, make_layer, require_avx2_alone
+from kernel_contract_cases import (
+    ONEDNN_PRIMITIVES,
+    Layer,
+    activation_range,
+    count_calls,
+    loop_threads,
+    make_layer,
+    require_avx2_alone,
+)
 
 from fxquant import native
 from fxquant.kernels.base import PackedWeight
-from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.onednn import rows as onednn_rows
 from fxquant.kernels.registry import get_backend
 from fxquant.qparams import QParams
 
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not onednn_direct.available(),
-                                reason=f"fxquant's oneDNN primitives do not run here: {onednn_direct.status()}")
+pytestmark = ONEDNN_PRIMITIVES
 
 OUT_QP = QParams(torch.tensor(0.37), torch.tensor(11), 0, 127)  # a 7-bit output, as convert gives without VNNI
 SHAPES = [(33, 17), (1000, 130), (64, 64), (7, 200)]  # (in, out): inputs not a multiple of 4, outputs of 8 or 64

@@ -10,11 +10,10 @@ The kernel runs where AVX2 is the highest instruction set fxquant may use: CPUs 
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 from kernel_contract_cases import (
+    ONEDNN_PRIMITIVES,
     Layer,
     at_thread_counts,
     count_calls,
@@ -27,15 +26,13 @@ from kernel_contract_cases import (
 from fxquant import native
 from fxquant.kernels import recording
 from fxquant.kernels.base import ConvAddQParams, ConvSpec, PackedWeight
-from fxquant.kernels.onednn import direct as onednn_direct
 from fxquant.kernels.onednn import winograd as onednn_winograd
 from fxquant.kernels.onednn.weights import operands
 from fxquant.kernels.registry import get_backend
 from fxquant.native.winograd import transformed_weight
 from fxquant.qparams import QParams
 
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not onednn_direct.available(),
-                                reason=f"fxquant's oneDNN primitives do not run here: {onednn_direct.status()}")
+pytestmark = ONEDNN_PRIMITIVES
 
 OUT_QP = QParams(torch.tensor(0.37), torch.tensor(11), 0, 127)  # a 7-bit output, as convert gives without VNNI
 ACCUM_QP = QParams(torch.tensor(0.21), torch.tensor(5), 0, 127)
