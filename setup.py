@@ -17,7 +17,7 @@ POSIX = sys.platform != "win32"
 NATIVE_SOURCES = [f"fxquant/native/csrc/{name}.c"
                   for name in ("module", "module_rows", "histogram", "elementwise", "amx_gemm", "rows_avx2", "patches",
                                "weight_only", "int8_rows", "int8_groups", "attention", "full_attention", "pool",
-                               "winograd_avx2", "depthwise_avx2")]
+                               "winograd_avx2", "depthwise_avx2", "layer_norm")]
 NATIVE_HEADERS = ["fxquant/native/csrc/native.h", "fxquant/native/csrc/gemm.h", "fxquant/native/csrc/module_rows.h",
                   "fxquant/native/csrc/exp2.h", "fxquant/native/csrc/onednn_requant.h",
                   "fxquant/native/csrc/avx2_convs.h"]

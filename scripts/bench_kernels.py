@@ -3,7 +3,9 @@
 Times one int8 linear/conv call on an already-quantized input (int8 in, int8 out, weights prepacked) next to the
 FP32 ``F.linear``/``F.conv2d`` on the float input; quantizing the input is not included. Then ResNet's stem max pool
 on channels-last uint8: the onednn backend's pool (fxquant's C loop) against ``quantized::max_pool2d``, the op it
-used before and PT2E's lowering calls. Calls are interleaved round by round
+used before and PT2E's lowering calls. Then a transformer's residual add and LayerNorm, ``norm(a + b)``, on the
+float32 shapes of BERT-style encoders: fxquant's loop (what a converted model's graph walk runs,
+:mod:`fxquant.runtime.add_norm`) against torch's two ops. Calls are interleaved round by round
 (``fxquant.report.latency.measure_latency``), so ratios hold on a noisy machine.
 
     python scripts/bench_kernels.py [--budget SECONDS] [--threads N]
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from fxquant import native
 from fxquant.kernels.base import Backend, ConvSpec
@@ -27,6 +30,7 @@ from fxquant.native.isa import cpu_model, isa_summary
 from fxquant.qparams import affine_qparams, symmetric_qparams
 from fxquant.qparams import quantize as quantize_weight
 from fxquant.report.latency import measure_latency
+from fxquant.runtime import add_norm
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,8 @@ WORKLOADS = (
     Workload("conv 64->64 3x3 @56x56, batch 32", (32, 64, 56, 56), (64, 64, 3, 3), CONV_3X3),
 )
 POOL_SHAPES = ((1, 64, 112, 112), (32, 64, 112, 112))  # ResNet-18's stem pool input at batch 1 and 32
+# (batch, tokens, hidden): the zoo's BERT-style encoder at batch 8, BERT-base at batch 1 and 8, ViT-B/16 at batch 1
+NORM_SHAPES = ((8, 128, 256), (1, 128, 768), (8, 128, 768), (1, 197, 768))
 STEM_POOL = {"kernel_size": 3, "stride": 2, "padding": 1}
 
 
@@ -84,17 +90,36 @@ def bench(work: Workload, backends: list[str], budget_s: float, threads: int | N
     return {name: s.median for name, s in stats.items()}
 
 
+def compare(label: str, fxquant: Callable[[], torch.Tensor], other: Callable[[], torch.Tensor], budget_s: float,
+            threads: int | None) -> str:
+    """One markdown row: ``fxquant`` and ``other`` interleaved, median [fastest-slowest] ms each, other / fxquant."""
+    stats = measure_latency({"fxquant": fxquant, "other": other}, time_budget_s=budget_s, threads=threads,
+                            max_runs=500)
+    cells = [f"{s.median:.3f} [{s.min:.3f}-{s.max:.3f}]" for s in stats.values()]
+    return f"| {label} | {' | '.join(cells)} | {stats['other'].median / stats['fxquant'].median:.2f} |"
+
+
 def bench_pool(shape: tuple[int, ...], budget_s: float, threads: int | None) -> str:
-    """One markdown row: the pool by ``channels_last_max_pool`` and by the op, median [fastest-slowest] ms, ratio."""
+    """The pool by ``channels_last_max_pool`` against the op (the same bytes, checked first)."""
     q = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     q = q.contiguous(memory_format=torch.channels_last)
     op_arguments = ([3, 3], [2, 2], [1, 1], [1, 1], False)
-    calls = {"fxquant": lambda: channels_last_max_pool(q, 2, STEM_POOL),
-             "op": lambda: torch.ops.quantized.max_pool2d(q, *op_arguments)}
-    assert torch.equal(calls["fxquant"](), calls["op"]())
-    stats = measure_latency(calls, time_budget_s=budget_s, threads=threads, max_runs=500)
-    cells = [f"{s.median:.3f} [{s.min:.3f}-{s.max:.3f}]" for s in stats.values()]
-    return f"| {'x'.join(map(str, shape))} | {' | '.join(cells)} | {stats['op'].median / stats['fxquant'].median:.2f} |"
+    ours, op = lambda: channels_last_max_pool(q, 2, STEM_POOL), lambda: torch.ops.quantized.max_pool2d(q, *op_arguments)
+    assert torch.equal(ours(), op())
+    return compare("x".join(map(str, shape)), ours, op, budget_s, threads)
+
+
+def bench_norm(shape: tuple[int, ...], budget_s: float, threads: int | None) -> str:
+    """``norm(a + b)`` by fxquant's step (the loop where it runs) against torch's add and LayerNorm."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    norm = nn.LayerNorm(shape[-1], eps=1e-12).requires_grad_(False)
+
+    def ours() -> torch.Tensor:
+        out = add_norm.fused(a, b, norm)
+        return norm(a + b) if out is None else out
+
+    return compare("x".join(map(str, shape)), ours, lambda: norm(a + b), budget_s, threads)
 
 
 def render(rows: list[tuple[str, dict[str, float]]], backends: list[str]) -> str:
@@ -124,6 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     print("| input | fxquant ms | quantized::max_pool2d ms | op / fxquant |\n|---|---|---|---|")
     for shape in POOL_SHAPES:
         print(bench_pool(shape, args.budget, args.threads))
+    loop = "fxquant's C loop" if native.available("layer_norm") else "no C loop here: torch's ops on both sides"
+    print(f"\nresidual add + LayerNorm, float32 ({loop}; ms, median [fastest-slowest])\n")
+    print("| input | fxquant ms | torch add + LayerNorm ms | torch / fxquant |\n|---|---|---|---|")
+    for shape in NORM_SHAPES:
+        print(bench_norm(shape, args.budget, args.threads))
 
 
 if __name__ == "__main__":

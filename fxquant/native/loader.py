@@ -50,10 +50,11 @@ if loops is not None:
 # inputs, slower at any thread count): it runs at every count, its tiles split over all of torch's threads. So do
 # the attention loops: their work items (a head and 8 query rows each for the causal loop, dealt round robin; a
 # head and 32 rows for the full one, split evenly) go to all of torch's threads, as torch's flash attention splits
-# the same heads and rows.
+# the same heads and rows; and so do the residual add + LayerNorm loop's rows, as torch's LayerNorm splits them.
 THREAD_LIMITS = {"conv": 2, "fbgemm_linear": 1, "qnnpack_linear": 2, "avx2_linear": 2, "onednn_linear": 2,
                  "onednn_winograd": 2, "onednn_depthwise": 2, "upsample": 1, "elementwise": 2, "histogram": 4,
-                 "weight_only": 2, "int8_rows": 2, "int8_groups": sys.maxsize, "attention": sys.maxsize}
+                 "weight_only": 2, "int8_rows": 2, "int8_groups": sys.maxsize, "attention": sys.maxsize,
+                 "layer_norm": sys.maxsize}
 
 
 def loops_for(family: str = "elementwise") -> ModuleType | None:

@@ -26,7 +26,7 @@ import torch
 from torch import fx
 from torch.nn.modules import module as module_globals
 
-from fxquant.runtime import attention, replay
+from fxquant.runtime import add_norm, attention, replay
 from fxquant.runtime.step import Step, load, run, slotted
 from fxquant.state import STATE_KEY
 
@@ -59,6 +59,8 @@ class GraphRunner:
         placeholders: list[int] = []
         steps: list[Step] = []
         fast_attention = attention.runs_fast(gm)
+        norms = add_norm.pairs(gm) if fast_attention else {}  # a + b -> the LayerNorm reading it: one step
+        fused_norms = {norm: add for add, norm in norms.items()}
         parameters = []
         output: Any = None
         position: dict[fx.Node, int] = {}
@@ -75,7 +77,17 @@ class GraphRunner:
                 output = slotted(node.args[0], slot)
                 position[node] = len(steps)
                 break
+            if node in fused_norms:  # computed by its add's step
+                position[node] = position[fused_norms[node]]
+                continue
             position[node] = len(steps)
+            if node in norms:
+                norm = norms[node]
+                step = add_norm.AddLayerNorm(node.target, (slot[node.args[0]], slot[node.args[1]]),
+                                             tuple(str(norm.target).split(".")), slot[norm])
+                steps.append(Step(slot[norm], "run", step, step.addends, (), {},
+                                  tuple(freed.get(node, ())) + tuple(freed.get(norm, ()))))
+                continue
             # a module is found on every call, as the generated code does (it may have been replaced since), but
             # through the ``_modules`` dicts: no ``nn.Module.__getattr__`` per level
             target = tuple(node.target.split(".")) if node.op in ("call_module", "get_attr") else node.target

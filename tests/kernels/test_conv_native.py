@@ -200,8 +200,9 @@ def _counting(fn: Callable[..., bool], name: str, ran: list[str]) -> Callable[..
 
 @needs_tiles
 def test_the_loop_is_taken_where_measured_faster() -> None:
-    """fbgemm: every conv, Linears on 16+ rows; qnnpack: from ~2**17 multiply-adds (the engines' own kernels win
-    below: see ``NativeConv.takes``)."""
+    """fbgemm: every conv; qnnpack: from ~2**17 multiply-adds (the engines' own kernels win below); a Linear on every
+    row count, on the tiles from 16 rows and 2**20 multiply-adds, on the VNNI row loop below (``NativeConv.takes``,
+    ``NativeConv.tiled``)."""
     gen = torch.Generator().manual_seed(0)
     spec = ConvSpec(2, (1, 1), (1, 1), (1, 1), 1, False, (0, 0))
     conv = native_conv(torch.ones(8, 8, 3, 3, dtype=torch.int8), _weight_qp(8, gen), None, spec)
@@ -211,7 +212,8 @@ def test_the_loop_is_taken_where_measured_faster() -> None:
     assert conv is not None and qconv is not None and linear is not None
     assert conv.takes(1)
     assert not qconv.takes(16) and qconv.takes(4096)
-    assert not linear.takes(8) and linear.takes(16)
+    assert linear.takes(8) and not linear.tiled(8)  # the row loop: 16-row tiles would be half empty
+    assert linear.takes(16) and linear.tiled(16)
 
 
 def test_the_convs_it_does_not_take_keep_fbgemm() -> None:

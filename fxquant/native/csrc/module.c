@@ -385,6 +385,7 @@ static PyMethodDef methods[] = {
     {"int8_groups_f32", fxq_py_int8_groups_f32, METH_VARARGS, "A per-group dynamic INT8 Linear on AVX512-VNNI."},
     {"causal_attention_f32", fxq_py_causal_attention_f32, METH_VARARGS, "A decoder's causal attention in float32."},
     {"full_attention_f32", fxq_py_full_attention_f32, METH_VARARGS, "Attention over every key, masked, in float32."},
+    {"add_layer_norm_f32", fxq_py_add_layer_norm_f32, METH_VARARGS, "LayerNorm(a + b) over rows of float32."},
     {"weight_only_f32", fxq_py_weight_only_f32, METH_VARARGS, "A few-row float32 Linear on int8 weights (W8A16)."},
     {NULL, NULL, 0, NULL},
 };

@@ -1,5 +1,6 @@
 /* fxquant.native._native: the entry points of the row loops an LLM's Linears use (weight_only.c, int8_rows.c,
- * int8_groups.c and elementwise.c's per-token quantize and rescale), of attention (attention.c, full_attention.c)
+ * int8_groups.c and elementwise.c's per-token quantize and rescale), of attention (attention.c, full_attention.c),
+ * of the residual add and LayerNorm (layer_norm.c)
  * and of the Winograd conv (winograd_avx2.c), kept apart from module.c for size; module.c's method table lists them
  * (module_rows.h). The same conventions as module.c: tuples per struct, checked arguments, the GIL released. */
 #define PY_SSIZE_T_CLEAN
@@ -202,6 +203,35 @@ PyObject *fxq_py_full_attention_f32(PyObject *self, PyObject *args) {
     p.out = PTR(float, out_addr);
     p.mask = PTR(const void, mask_addr);
     RUN_AND_RETURN(fxq_full_attention_f32(&p), Py_RETURN_TRUE);
+}
+
+/* add_layer_norm_f32((a_ptr, b_ptr, y_ptr), (rows, b_rows, width), (gamma_ptr, beta_ptr), eps) -> None
+ *
+ * y = LayerNorm(a + b) over rows of width dense floats, b's b_rows rows repeating (rows a multiple of b_rows);
+ * gamma_ptr, beta_ptr 0: none (beta only with gamma). */
+PyObject *fxq_py_add_layer_norm_f32(PyObject *self, PyObject *args) {
+    unsigned long long a_addr, b_addr, y_addr, gamma_addr, beta_addr;
+    double eps;
+    AddLayerNorm p;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "(KKK)(LLL)(KK)d", &a_addr, &b_addr, &y_addr, &p.rows, &p.b_rows, &p.width,
+                          &gamma_addr, &beta_addr, &eps))
+        return NULL;
+    if (p.rows < 0 || p.b_rows < 1 || p.rows % p.b_rows || p.width < 1 || !a_addr || !b_addr || !y_addr ||
+        (beta_addr && !gamma_addr) || !(eps >= 0)) {
+        PyErr_SetString(PyExc_ValueError, "add_layer_norm_f32: bad shape, pointer or eps");
+        return NULL;
+    }
+    p.a = PTR(const float, a_addr);
+    p.b = PTR(const float, b_addr);
+    p.y = PTR(float, y_addr);
+    p.gamma = gamma_addr ? PTR(const float, gamma_addr) : NULL;
+    p.beta = beta_addr ? PTR(const float, beta_addr) : NULL;
+    p.eps = (float)eps;
+    Py_BEGIN_ALLOW_THREADS
+    fxq_add_layer_norm_f32(&p);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
 }
 
 /* conv3x3_onednn((x_ptr, n, h, w, c, pad_h, pad_w, zx), (u_ptr, mult_ptr, bias_ptr, c16, k16, out_channels),

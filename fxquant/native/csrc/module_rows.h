@@ -13,6 +13,7 @@ FXQ_INTERNAL PyObject *fxq_py_int8_groups_f32(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_weight_only_f32(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_causal_attention_f32(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_full_attention_f32(PyObject *self, PyObject *args);
+FXQ_INTERNAL PyObject *fxq_py_add_layer_norm_f32(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_conv3x3_onednn(PyObject *self, PyObject *args);
 FXQ_INTERNAL PyObject *fxq_py_dwconv3x3_onednn(PyObject *self, PyObject *args);
 

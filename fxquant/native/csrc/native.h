@@ -14,6 +14,7 @@
  *   attention.c   causal_attention_f32: a decoder's causal attention in float32 (fxquant/native/attention.py)
  *   full_attention.c full_attention_f32: attention over every key, with a mask, in float32 (the same wrapper)
  *   pool.c        max_pool_u8: a 2-d max pool of channels-last uint8 activations (fxquant/native/elementwise.py)
+ *   layer_norm.c  add_layer_norm_f32: LayerNorm(a + b) over rows of float32 (fxquant/native/layer_norm.py)
  *   winograd_avx2.c, depthwise_avx2.c: the onednn backend's AVX2 conv loops, declared in avx2_convs.h
  * (gemm.h: the VNNI sums and AMX tile configuration that amx_gemm.c and patches.c share; exp2.h: the attention
  * loops' 2^x; onednn_requant.h: oneDNN's requantization, for rows_avx2.c and the AVX2 conv loops)
@@ -373,5 +374,19 @@ typedef struct {
 /* 0, or -1 where the transposed keys or a work item's scores could not be allocated (the output is then
  * incomplete). Only where fxq_attention_usable(). */
 FXQ_INTERNAL int fxq_full_attention_f32(const FullAttention *p);
+
+/* ---- layer_norm.c ---- */
+
+/* y = LayerNorm(a + b) over each of rows rows of width dense floats, b's b_rows rows repeating (a broadcast add:
+ * row r adds b's row r % b_rows); gamma, beta: NULL or width floats (beta only with gamma); y overlaps neither a nor
+ * b. */
+typedef struct {
+    const float *a, *b, *gamma, *beta;
+    float *y;
+    int64_t rows, b_rows, width;
+    float eps;
+} AddLayerNorm;
+
+FXQ_INTERNAL void fxq_add_layer_norm_f32(const AddLayerNorm *p);
 
 #endif
