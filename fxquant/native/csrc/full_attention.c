@@ -5,8 +5,8 @@
  * (ROWS x keys floats, in L1/L2 at encoder lengths), so the softmax is exact in two passes, with no running rescale
  * as in attention.c's one-pass causal loop, whose blocks stop at the diagonal. Both products run one register tile
  * of RT rows x up to 4 vectors of 16 lanes, each operand read once per tile step: scores = q (broadcast, times scale
- * * log2(e)) x keys transposed (dim, keys; transposed once per call in blocks of 16 x 16, the row pitch padded off a
- * power of two so the columns do not share cache sets); output = probabilities (broadcast) x values, read in place,
+ * * log2(e)) x keys transposed (dim, keys; in blocks of 16 x 16, into a buffer of the thread, once per head the
+ * thread's items reach, the row pitch padded off a power of two so the columns do not share cache sets); output = probabilities (broadcast) x values, read in place,
  * times 1 / sum. Scores are taken in base 2 (a probability is one exp2). torch's flash kernel, which SDPA runs,
  * walks blocks of keys with running rescales (docs/benchmarks.md, "Attention over every key", compares the two).
  * Sums run with fused multiply-adds in 16 lanes, so they round differently from torch's kernels: the tests compare
@@ -171,40 +171,51 @@ __attribute__((target("avx512f"))) static void item(const FullAttention *p, cons
     TILES(VALUES, rows, dim)
 }
 
-__attribute__((target("avx512f"))) static void attention_avx512(const FullAttention *p, float *kt, float *scratch,
-                                                                 const int64_t pitch, const int64_t keys_pad,
-                                                                 const int64_t per_thread) {
+/* kt (dim, keys_pad at pitch) = the keys of (batch, kv head) `kv` transposed, zero past the last token. */
+__attribute__((target("avx512f"))) static void transpose_keys(const FullAttention *p, const int64_t kv, float *kt,
+                                                               const int64_t pitch, const int64_t keys_pad) {
+    const float *k = p->k + kv / p->kv_heads * p->k_strides[0] + kv % p->kv_heads * p->k_strides[1];
+    for (int64_t t = 0; t < keys_pad; t += 16)
+        for (int64_t d = 0; d < p->dim; d += 16)
+            transpose_block(k + t * p->k_strides[2] + d, p->k_strides[2], p->kv_tokens - t, kt + d * pitch + t, pitch);
+}
+
+/* Items in order (batch, head, block of rows), split in contiguous runs over torch's threads; each thread transposes
+ * the keys of the items it takes into a buffer of its own when their (batch, kv head) changes, so a head's keys are
+ * transposed once per thread that runs its items and are read back from L1/L2, not from a buffer of all heads. */
+__attribute__((target("avx512f"))) static void attention_avx512(const FullAttention *p, float *scratch,
+                                                                 int64_t *held, const int64_t pitch,
+                                                                 const int64_t keys_pad, const int64_t per_thread) {
     const int64_t blocks = (p->q_tokens + ROWS - 1) / ROWS, items = p->batch * p->heads * blocks;
     const int64_t work = p->batch * p->heads * p->q_tokens * p->kv_tokens * p->dim;
-    (void)work; /* read only by the OpenMP pragmas */
-    FXQ_PARALLEL_FOR(work >= FXQ_PARALLEL_WORK)
-    for (int64_t i = 0; i < p->batch * p->kv_heads; i++) { /* keys transposed, zero past the last token */
-        const float *k = p->k + i / p->kv_heads * p->k_strides[0] + i % p->kv_heads * p->k_strides[1];
-        for (int64_t t = 0; t < keys_pad; t += 16)
-            for (int64_t d = 0; d < p->dim; d += 16)
-                transpose_block(k + t * p->k_strides[2] + d, p->k_strides[2], p->kv_tokens - t,
-                                kt + i * p->dim * pitch + d * pitch + t, pitch);
-    }
+    (void)work; /* read only by the OpenMP pragma */
     FXQ_PARALLEL_FOR(work >= FXQ_PARALLEL_WORK)
     for (int64_t i = 0; i < items; i++) {
         const int64_t b = i / (p->heads * blocks), h = i / blocks % p->heads, r0 = i % blocks * ROWS;
-        const float *kh = kt + (b * p->kv_heads + h / (p->heads / p->kv_heads)) * p->dim * pitch;
-        float *qs = scratch + FXQ_THREAD() * per_thread;
+        const int64_t kv = b * p->kv_heads + h / (p->heads / p->kv_heads), thread = FXQ_THREAD();
+        float *kt = scratch + thread * per_thread, *qs = kt + p->dim * pitch;
+        if (held[thread] != kv) {
+            transpose_keys(p, kv, kt, pitch, keys_pad);
+            held[thread] = kv;
+        }
         const int rows = p->q_tokens - r0 < ROWS ? (int)(p->q_tokens - r0) : ROWS;
-        item(p, kh, pitch, keys_pad, qs, qs + ROWS * p->dim, b, h, r0, rows);
+        item(p, kt, pitch, keys_pad, qs, qs + ROWS * p->dim, b, h, r0, rows);
     }
 }
 
 int fxq_full_attention_f32(const FullAttention *p) {
-    const int64_t keys_pad = (p->kv_tokens + 15) / 16 * 16, pitch = keys_pad + 16;
-    const int64_t per_thread = ROWS * (p->dim + keys_pad);
-    float *kt = (float *)malloc((size_t)(p->batch * p->kv_heads * p->dim * pitch) * sizeof(float));
-    float *scratch = (float *)malloc((size_t)(FXQ_THREADS() * per_thread) * sizeof(float));
-    const int status = kt == NULL || scratch == NULL ? -1 : 0;
-    if (status == 0)
-        attention_avx512(p, kt, scratch, pitch, keys_pad, per_thread);
-    free(kt);
+    const int64_t keys_pad = (p->kv_tokens + 15) / 16 * 16, pitch = keys_pad + 16, threads = FXQ_THREADS();
+    const int64_t per_thread = p->dim * pitch + ROWS * (p->dim + keys_pad); /* transposed keys, q rows, scores */
+    float *scratch = (float *)malloc((size_t)(threads * per_thread) * sizeof(float));
+    int64_t *held = (int64_t *)malloc((size_t)threads * sizeof(int64_t)); /* whose keys each thread's buffer has */
+    const int status = scratch == NULL || held == NULL ? -1 : 0;
+    if (status == 0) {
+        for (int64_t t = 0; t < threads; t++)
+            held[t] = -1;
+        attention_avx512(p, scratch, held, pitch, keys_pad, per_thread);
+    }
     free(scratch);
+    free(held);
     return status;
 }
 
