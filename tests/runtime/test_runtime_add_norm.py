@@ -8,14 +8,13 @@ spy records that it ran, so no case passes by comparing torch with itself.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
+from loop_spies import LoopSpy, spy_on
 from torch import nn
 
 import fxquant
-from fxquant.models import create_model, example_inputs
+from fxquant.models import example_inputs
 from fxquant.native.layer_norm import add_layer_norm_into
 from fxquant.qparams import sqnr_db
 from fxquant.runtime import add_norm
@@ -23,23 +22,9 @@ from fxquant.runtime import add_norm
 TOLERANCE = 2e-5
 
 
-class _Spy:
-    """Stands for :func:`fxquant.runtime.add_norm.add_layer_norm_into`; counts the calls that ran the loop."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.ran = inner, 0
-
-    def __call__(self, *args: Any) -> bool:
-        ran = self.inner(*args)
-        self.ran += bool(ran)
-        return ran
-
-
 @pytest.fixture
-def spy(monkeypatch: pytest.MonkeyPatch) -> _Spy:
-    found = _Spy(add_norm.add_layer_norm_into)
-    monkeypatch.setattr(add_norm, "add_layer_norm_into", found)
-    return found
+def spy(monkeypatch: pytest.MonkeyPatch) -> LoopSpy:
+    return spy_on(monkeypatch, add_norm, "add_layer_norm_into")
 
 
 def _loop_runs_here() -> bool:
@@ -62,7 +47,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_loop_computes_the_norm_of_the_sum(case: str, spy: _Spy) -> None:
+def test_the_loop_computes_the_norm_of_the_sum(case: str, spy: LoopSpy) -> None:
     if not _loop_runs_here():
         pytest.skip("the C loops are off here (FXQUANT_NATIVE=0, or built without a C compiler)")
     a, b = CASES[case]()
@@ -84,18 +69,10 @@ DECLINED = {
 
 
 @pytest.mark.parametrize("case", list(DECLINED))
-def test_what_the_loop_does_not_compute_is_left_to_torch(case: str, spy: _Spy) -> None:
+def test_what_the_loop_does_not_compute_is_left_to_torch(case: str, spy: LoopSpy) -> None:
     a, b, norm = DECLINED[case](torch.randn(2, 5, 32), torch.randn(2, 5, 32), _norm())
     assert add_norm.fused(a, b, norm) is None
     assert spy.ran == 0
-
-
-@pytest.fixture(scope="module")
-def prepared() -> torch.fx.GraphModule:
-    model = create_model("bert_style")
-    prepared = fxquant.prepare(model, example_inputs("bert_style", 2))
-    fxquant.calibrate(prepared, [example_inputs("bert_style", 2, seed=s) for s in range(1, 5)], progress=False)
-    return prepared
 
 
 def _steps(qmodel: torch.fx.GraphModule) -> int:
@@ -103,12 +80,12 @@ def _steps(qmodel: torch.fx.GraphModule) -> int:
 
 
 @pytest.mark.parametrize("backend", ["onednn", "reference"])
-def test_the_graph_walk_fuses_each_pair_only_on_kernel_backends(prepared: torch.fx.GraphModule, backend: str,
-                                                                spy: _Spy) -> None:
+def test_the_graph_walk_fuses_each_pair_only_on_kernel_backends(prepared_bert_style: torch.fx.GraphModule,
+                                                                backend: str, spy: LoopSpy) -> None:
     """The converted encoder's 9 add + LayerNorm pairs (embeddings, then two per layer): one step each on onednn,
     the loop in each under inference mode; torch's ops on the reference backend, the generated code's output bit
     for bit."""
-    qmodel = fxquant.convert(prepared, backend=backend)
+    qmodel = fxquant.convert(prepared_bert_style, backend=backend)
     x = example_inputs("bert_style", 2)
     with torch.inference_mode():
         out = qmodel(*x)
@@ -122,10 +99,11 @@ def test_the_graph_walk_fuses_each_pair_only_on_kernel_backends(prepared: torch.
         assert torch.equal(out, generated)
 
 
-def test_hooks_on_the_norm_and_autograd_take_torchs_ops(prepared: torch.fx.GraphModule, spy: _Spy) -> None:
+def test_hooks_on_the_norm_and_autograd_take_torchs_ops(prepared_bert_style: torch.fx.GraphModule,
+                                                        spy: LoopSpy) -> None:
     """A hook on a LayerNorm sees its call (the generated code's output, bit for bit); with autograd on, the model's
     float LayerNorm weights require grad, so its output does too, as the generated code's."""
-    qmodel = fxquant.convert(prepared, backend="onednn")
+    qmodel = fxquant.convert(prepared_bert_style, backend="onednn")
     x = example_inputs("bert_style", 2)
     seen: list[torch.Tensor] = []
     handle = qmodel.get_submodule("layers.0.attention_norm").register_forward_hook(

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from loop_spies import LoopSpy, spy_on
 
 import fxquant
-from fxquant.models import create_model, example_inputs
+from fxquant.models import example_inputs
 from fxquant.native.attention import full_attention_into
 from fxquant.qparams import sqnr_db
 from fxquant.runtime import attention
@@ -29,24 +30,9 @@ def _loops_run_here() -> bool:
     return full_attention_into(torch.empty_like(x), x, x, x, 0.25)
 
 
-class _Spy:
-    """Stands for one of the loops' wrappers in :mod:`fxquant.runtime.attention`; counts the calls that ran."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.ran = inner, 0
-
-    def __call__(self, *args: Any) -> bool:
-        ran = self.inner(*args)
-        self.ran += bool(ran)
-        return ran
-
-
 @pytest.fixture
-def spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, _Spy]:
-    found = {name: _Spy(getattr(attention, name)) for name in ("full_attention_into", "causal_attention_into")}
-    for name, spy in found.items():
-        monkeypatch.setattr(attention, name, spy)
-    return found
+def spies(monkeypatch: pytest.MonkeyPatch) -> dict[str, LoopSpy]:
+    return {name: spy_on(monkeypatch, attention, name) for name in ("full_attention_into", "causal_attention_into")}
 
 
 def _qkv(heads: int = 4, kv_heads: int = 4, q_tokens: int = 19, kv_tokens: int = 19,
@@ -70,7 +56,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_loops_compute_sdpa(case: str, spies: dict[str, _Spy]) -> None:
+def test_the_loops_compute_sdpa(case: str, spies: dict[str, LoopSpy]) -> None:
     if not _loops_run_here():
         pytest.skip("the attention loops do not run here (no AVX-512, FXQUANT_ISA below it, or no C extension)")
     shape, kwargs = CASES[case]
@@ -94,7 +80,7 @@ DECLINED = {
 
 
 @pytest.mark.parametrize("case", list(DECLINED))
-def test_what_the_loops_do_not_compute_is_torchs_sdpa_bit_for_bit(case: str, spies: dict[str, _Spy]) -> None:
+def test_what_the_loops_do_not_compute_is_torchs_sdpa_bit_for_bit(case: str, spies: dict[str, LoopSpy]) -> None:
     (q, k, v), kwargs = DECLINED[case](*_qkv())
     out = attention.scaled_dot_product_attention(q, k, v, **kwargs)
     assert spies["full_attention_into"].ran == spies["causal_attention_into"].ran == 0
@@ -109,20 +95,12 @@ def test_grouped_heads_without_enable_gqa_are_refused_as_sdpa_refuses_them() -> 
         attention.scaled_dot_product_attention(q, k, v)
 
 
-@pytest.fixture(scope="module")
-def prepared() -> torch.fx.GraphModule:
-    model = create_model("bert_style")
-    prepared = fxquant.prepare(model, example_inputs("bert_style", 2))
-    fxquant.calibrate(prepared, [example_inputs("bert_style", 2, seed=s) for s in range(1, 5)], progress=False)
-    return prepared
-
-
 @pytest.mark.parametrize("backend", ["onednn", "reference"])
-def test_the_graph_walk_takes_the_loop_only_on_kernel_backends(prepared: torch.fx.GraphModule, backend: str,
-                                                               spies: dict[str, _Spy]) -> None:
+def test_the_graph_walk_takes_the_loop_only_on_kernel_backends(prepared_bert_style: torch.fx.GraphModule,
+                                                               backend: str, spies: dict[str, LoopSpy]) -> None:
     """The converted encoder's 4 SDPA nodes: the loop on onednn, each call SDPA's output on its inputs to rounding,
     and torch's SDPA on the reference backend, the generated code's output bit for bit."""
-    qmodel = fxquant.convert(prepared, backend=backend)
+    qmodel = fxquant.convert(prepared_bert_style, backend=backend)
     x = example_inputs("bert_style", 2)
     calls: list[tuple[torch.Tensor, ...]] = []  # (output, query, key, value) of each call the loop ran
     inner = spies["full_attention_into"].inner
