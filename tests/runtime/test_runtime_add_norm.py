@@ -94,7 +94,7 @@ def test_the_graph_walk_fuses_each_pair_only_on_kernel_backends(prepared_bert_st
     assert _steps(qmodel) == (9 if kernel else 0)
     assert spy.ran == (9 if kernel and _loop_runs_here() else 0)
     if spy.ran:  # each norm output is quantized next: a rounding difference can move a value by one step
-        assert sqnr_db(generated, out) > 50.0  # measured: 64-70 dB, and the same with the attention loop alone
+        assert sqnr_db(generated, out) > 50.0  # measured: 55-136 dB at batch 2 (seeds, ISA caps)
     else:
         assert torch.equal(out, generated)
 
