@@ -4,8 +4,8 @@ forward: fxquant's loop where it computes the same function, torch's two ops for
 Once the Linears are INT8, the float code between them is a large share of what is left, and most of it is
 ``LayerNorm(x + dense(x))`` (BERT's post-LN blocks, twice per layer): torch's add writes the sum out as a new tensor
 and the LayerNorm reads it back, both at memory speed at encoder sizes. :func:`fxquant.native.layer_norm.
-add_layer_norm_into` keeps each row's sum in L1 between the row's passes (docs/backends.md, "Attention", the table
-of what else the backend does, has the measurements). The graph walk (:mod:`fxquant.runtime.runner`) makes one
+add_layer_norm_into` keeps each row's sum in L1 between the row's passes (docs/backends.md, "Residual add +
+LayerNorm", has the measurements). The graph walk (:mod:`fxquant.runtime.runner`) makes one
 :class:`AddLayerNorm` step of each such pair (:func:`pairs`) where the model runs INT8 layers on a kernel backend;
 the graph and its generated code keep both ops, so an export, a traced or hooked call and the reference backend
 compute with torch's.

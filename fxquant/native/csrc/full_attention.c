@@ -6,9 +6,10 @@
  * as in attention.c's one-pass causal loop, whose blocks stop at the diagonal. Both products run one register tile
  * of RT rows x up to 4 vectors of 16 lanes, each operand read once per tile step: scores = q (broadcast, times scale
  * * log2(e)) x keys transposed (dim, keys; in blocks of 16 x 16, into a buffer of the thread, once per head the
- * thread's items reach, the row pitch padded off a power of two so the columns do not share cache sets); output = probabilities (broadcast) x values, read in place,
- * times 1 / sum. Scores are taken in base 2 (a probability is one exp2). torch's flash kernel, which SDPA runs,
- * walks blocks of keys with running rescales (docs/benchmarks.md, "Attention over every key", compares the two).
+ * thread's items reach, the row pitch padded off a power of two so the columns do not share cache sets); output =
+ * probabilities (broadcast) x values, read in place, times 1 / sum. Scores are taken in base 2 (a probability is
+ * one exp2). torch's flash kernel, which SDPA runs, walks blocks of keys with running rescales (docs/benchmarks.md,
+ * "Attention over every key", compares the two).
  * Sums run with fused multiply-adds in 16 lanes, so they round differently from torch's kernels: the tests compare
  * both with a float64 reference. Items are split over torch's threads, each writing its own rows: the result does
  * not depend on the thread count. Arguments arrive checked (module_rows.c); runs without the GIL, only where
