@@ -58,8 +58,8 @@ class GraphRunner:
             freed.setdefault(user, []).append(slot[used])
         placeholders: list[int] = []
         steps: list[Step] = []
-        fast_attention = attention.runs_fast(gm)
-        norms = add_norm.pairs(gm) if fast_attention else {}  # a + b -> the LayerNorm reading it: one step
+        fast_float = attention.runs_fast(gm)  # INT8 layers on a kernel backend: its float loops (SDPA, add + norm)
+        norms = add_norm.pairs(gm) if fast_float else {}  # a + b -> the LayerNorm reading it: one step
         fused_norms = {norm: add for add, norm in norms.items()}
         parameters = []
         output: Any = None
@@ -91,7 +91,7 @@ class GraphRunner:
             # a module is found on every call, as the generated code does (it may have been replaced since), but
             # through the ``_modules`` dicts: no ``nn.Module.__getattr__`` per level
             target = tuple(node.target.split(".")) if node.op in ("call_module", "get_attr") else node.target
-            if fast_attention and node.op == "call_function" and node.target in attention.SDPA:
+            if fast_float and node.op == "call_function" and node.target in attention.SDPA:
                 target = attention.scaled_dot_product_attention
             direct = all(isinstance(arg, fx.Node) for arg in node.args) and not node.kwargs
             steps.append(Step(slot[node], node.op, target, tuple(slot[arg] for arg in node.args) if direct else None,

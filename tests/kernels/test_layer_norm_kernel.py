@@ -59,8 +59,9 @@ def test_a_second_addend_broadcast_over_leading_dims_repeats_its_rows() -> None:
     weight, bias = _affine(64, "weight_and_bias")
     out = _run(a, b, weight, bias, 1e-12)
     assert (out.double() - _reference(a, b.expand_as(a), weight, bias, 1e-12)).abs().max().item() < TOLERANCE
-    row = _run(a, torch.randn(64), weight, bias, 1e-12)  # one row added to every row
-    assert row.shape == a.shape
+    one = torch.randn(64)  # one row added to every row
+    row = _run(a, one, weight, bias, 1e-12)
+    assert (row.double() - _reference(a, one.expand_as(a), weight, bias, 1e-12)).abs().max().item() < TOLERANCE
 
 
 def test_values_far_from_zero_mean_keep_their_digits() -> None:
