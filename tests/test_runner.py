@@ -16,7 +16,7 @@ from torch import fx, nn
 import fxquant
 from fxquant.kernels.registry import available_backends
 from fxquant.models import create_model, example_inputs
-from fxquant.runtime import add_norm
+from fxquant.runtime import add_norm, runner
 from fxquant.runtime.runner import GraphRunner, install
 
 BACKENDS = [b for b in ("onednn", "fbgemm", "reference") if b in available_backends()]
@@ -106,6 +106,42 @@ def test_hooks_on_layers_and_global_hooks_still_run() -> None:
         assert torch.equal(qmodel(x), plain) and seen.count("global") == count  # removed: the direct calls again
 
 
+def test_the_model_is_called_directly_unless_hooks_compile_or_tracing_need_module_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``qmodel(x)`` reaches the walk without ``nn.Module.__call__`` (its frames cost microseconds at batch 1); hooks
+    on the model, a ``compile()``d call and ``torch.jit.trace`` still get that call, and no other class changes."""
+    qmodel = _converted("mlp", "reference")
+    x = example_inputs("mlp", 2)[0]
+    reached: list[nn.Module] = []
+    call_impl = nn.Module._call_impl
+
+    def spy(module: nn.Module, *args: object, **kwargs: object) -> object:
+        reached.append(module)
+        return call_impl(module, *args, **kwargs)
+
+    assert fx.GraphModule.__call__ is nn.Module.__call__ and type(qmodel).__call__ is not nn.Module.__call__
+    with torch.no_grad():
+        expected = _generated(qmodel, x)
+        monkeypatch.setattr(nn.Module, "_call_impl", spy)
+        plain = qmodel(x)
+        assert not reached and torch.equal(plain, expected)
+        seen: list[object] = []
+        handles = [qmodel.register_forward_pre_hook(lambda module, args: seen.append("pre")),
+                   qmodel.register_forward_hook(lambda module, args, out: seen.append(out))]
+        assert torch.equal(qmodel(x), plain) and reached == [qmodel]
+        assert seen[0] == "pre" and torch.equal(seen[1], plain)  # type: ignore[arg-type]
+        for handle in handles:
+            handle.remove()
+        reached.clear()
+        monkeypatch.setattr(qmodel, "_compiled_call_impl", lambda *args: "compiled")  # what compile() sets
+        assert qmodel(x) == "compiled"
+        gm = install(fx.symbolic_trace(_Scaled(), concrete_args={"bias": None}))
+        small = torch.randn(3, 8)
+        reached.clear()
+        traced = torch.jit.trace(gm, (small,))
+        assert reached[0] is gm and torch.equal(traced(small), _generated(gm, small))  # then its layer's call
+
+
 def test_a_recompiled_graph_and_a_replaced_layer_are_followed() -> None:
     """Graph edits take effect at ``recompile()`` (as for the generated code), a layer swapped by ``setattr`` at
     once."""
@@ -116,8 +152,9 @@ def test_a_recompiled_graph_and_a_replaced_layer_are_followed() -> None:
     with gm.graph.inserting_before(output):
         plus_one = gm.graph.call_function(torch.add, (output.args[0], 1.0))
     output.args = (plus_one,)
-    gm.recompile()
-    assert torch.equal(gm(x), before + 1)
+    gm.recompile()  # sets the class's __call__ to torch.fx's wrapper: the walk puts its own back when it sees it
+    assert type(gm).__call__ is not runner._call and torch.equal(gm(x), before + 1)
+    assert type(gm).__call__ is runner._call and torch.equal(gm(x), before + 1)
     gm.fc = nn.Linear(8, 4)
     assert torch.equal(gm(x), _generated(gm, x))
 

@@ -122,10 +122,11 @@ class Run:
         for slots in self.reads:
             inputs.update((slot, None) for slot in slots if slot not in produced)
         self.inputs = tuple(inputs)
+        self.paths = tuple(step.target for step in self.steps if step.op == "call_module")  # the modules' paths
         self.recordings: dict[tuple[Any, ...], _Recording | None] = {}
         self.narrow: list[Step] | None = None  # the steps as grouped without the extras, made when first needed
-        self.kept = 0  # bytes in the recordings' pools
-        self.lock = threading.Lock()  # over the pools and ``kept``
+        self.kept = 0  # bytes of the buffers the recordings keep, in their pools or in a call
+        self.lock = threading.Lock()  # over ``kept``
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (``copy.deepcopy`` of the model, pickling) records anew: a recording holds raw addresses of this
@@ -139,21 +140,36 @@ class Run:
         self.lock = threading.Lock()
 
     def __call__(self, env: list[Any], gm: nn.Module, plain: bool) -> None:
-        modules = [module_at(gm, step.target) for step in self.steps if step.op == "call_module"]
-        if not plain or any(map(hooked, modules)):
+        # One flat function on purpose, as is _replay: at batch 1 the caches are cold on a call (other work ran
+        # since), and there every Python frame and generator on this path costs microseconds (docs/backends.md,
+        # "Runs of layers replayed", has the measurement).
+        modules = []
+        for path in self.paths:
+            module = gm
+            for name in path:
+                module = module._modules[name]  # type: ignore[assignment]
+            modules.append(module)
+            plain = plain and not hooked(module)
+        if not plain:
             _walk(self.steps, env, gm, plain)
             return
-        key = (torch.get_num_threads(), *(_layout(env[slot]) for slot in self.inputs))
+        layouts: list[Any] = [torch.get_num_threads()]
+        for slot in self.inputs:
+            value = env[slot]
+            layouts.append((value.shape, value.stride(), value.dtype) if isinstance(value, torch.Tensor)
+                           else (type(value),))
+        key = tuple(layouts)
         recording = self.recordings.get(key, _UNSEEN)  # one lookup: hashing the layouts is most of a check's cost
-        if recording is _UNSEEN and len(self.recordings) >= RECORDINGS_PER_RUN:
+        if (isinstance(recording, _Recording) and recording.modules == modules  # identity: modules define no __eq__
+                and recording.generations == [module.generation for module in modules]):
+            self._replay(recording, env)
+        elif recording is _UNSEEN and len(self.recordings) >= RECORDINGS_PER_RUN:
             _walk(self.steps, env, gm, plain)  # too many layouts: the rest run as before
-        elif recording is _UNSEEN or not _current(recording, modules):
+        elif recording is _UNSEEN or recording is not None:  # not seen, or the modules changed since
             self.recordings[key] = self._record(env, gm, modules)
-            if isinstance(recording, _Recording):  # its kept buffers are let go with it
+            if recording is not _UNSEEN:  # its kept buffers are let go with it
                 with self.lock:
                     self.kept -= sum(block.numel() for block, _ in recording.pool)
-        elif recording is not None:
-            self._replay(recording, env)
         elif self.extras:  # some step did more than one recorded call: runs of the layers alone may still replay
             _walk(self._narrowed(gm), env, gm, plain)
         else:
@@ -225,40 +241,40 @@ class Run:
                           len(self.inputs) + len(made), tuple(calls), outputs, [])
 
     def _replay(self, recording: _Recording, env: list[Any]) -> None:
-        """The recorded calls on this call's inputs, fresh output tensors and a kept buffer not in use."""
-        block, addresses = self._take(recording)
+        """The recorded calls on this call's inputs, fresh output tensors and a kept buffer not in use (``pop`` and
+        ``append`` on the pool are atomic: concurrent callers never get the same buffer)."""
+        pool = recording.pool
         try:
-            tensors: list[Any] = [None] * recording.buffers
-            pointers = list(addresses)
-            for buffer, slot in enumerate(recording.inputs):
-                tensors[buffer] = env[slot]
-                pointers[buffer] = env[slot].data_ptr()
-            for buffer, shape, stride, dtype in recording.fresh:
-                tensors[buffer] = torch.empty_strided(shape, stride, dtype=dtype)
-                pointers[buffer] = tensors[buffer].data_ptr()
+            block, addresses = pool.pop()
+            keep = True
+        except IndexError:
+            block, addresses, keep = self._new_block(recording)
+        pointers = addresses.copy()
+        tensors: list[Any] = [None] * recording.buffers
+        for buffer, slot in enumerate(recording.inputs):
+            value = tensors[buffer] = env[slot]
+            pointers[buffer] = value.data_ptr()
+        for buffer, shape, stride, dtype in recording.fresh:
+            value = tensors[buffer] = torch.empty_strided(shape, stride, dtype=dtype)
+            pointers[buffer] = value.data_ptr()
+        try:
             for run, source, destination in recording.calls:
                 run(pointers[source], pointers[destination])
         finally:
-            self._give_back(recording, block, addresses)
+            if keep:
+                pool.append((block, addresses))
         for slot, buffer in recording.outputs:
             env[slot] = tensors[buffer]
 
-    def _take(self, recording: _Recording) -> tuple[torch.Tensor, list[int]]:
-        """A kept buffer of ``recording`` not in use, or a new one."""
+    def _new_block(self, recording: _Recording) -> tuple[torch.Tensor, list[int], bool]:
+        """A new buffer for ``recording``, and whether it is kept (to the pool after its call): while the run's kept
+        buffers stay within ``KEPT_LIMIT``; otherwise it is freed after its call."""
+        block, addresses = _block(recording)
         with self.lock:
-            if recording.pool:
-                block, addresses = recording.pool.pop()
-                self.kept -= block.numel()
-                return block, addresses
-        return _block(recording)
-
-    def _give_back(self, recording: _Recording, block: torch.Tensor, addresses: list[int]) -> None:
-        """Keep ``block`` for a later call (another thread may have used its own meanwhile: both are kept) while the
-        run's kept buffers stay within ``KEPT_LIMIT``; otherwise it is freed."""
-        with self.lock:
-            if self.kept + block.numel() <= KEPT_LIMIT:
-                recording.pool.append((block, addresses))
+            keep = self.kept + block.numel() <= KEPT_LIMIT
+            if keep:
                 self.kept += block.numel()
+        return block, addresses, keep
 
     def _buffers(self, buffer_of: dict[int, int], made: dict[int, tuple[int, Any]]) -> dict[int, _Buffer]:
         """Lifetimes of the buffers the run makes: from the step making one to the last step reading any value in
@@ -276,15 +292,6 @@ class Run:
 
 def _generations(modules: list[nn.Module]) -> list[int]:
     return [module.generation for module in modules]  # type: ignore[misc]  # every member is a _BackendModule
-
-
-def _current(recording: _Recording | None, modules: list[nn.Module]) -> bool:
-    """Whether the modules are the recorded objects, none changed since (see the module docstring); a layout that
-    could not be recorded stays so."""
-    if recording is None:
-        return True
-    return _generations(modules) == recording.generations and all(
-        a is b for a, b in zip(modules, recording.modules, strict=True))
 
 
 def _pack(buffers: dict[int, _Buffer]) -> tuple[dict[int, int], int]:

@@ -23,18 +23,17 @@ import inspect
 from typing import Any, NamedTuple
 
 import torch
-from torch import fx
+from torch import fx, nn
 from torch.nn.modules import module as module_globals
 
 from fxquant.runtime import add_norm, attention, replay
-from fxquant.runtime.step import Step, load, run, slotted
+from fxquant.runtime.step import Step, hooked, load, run, slotted
 from fxquant.state import STATE_KEY
 
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
 
 def _any_global_hooks() -> bool:
-    return any(getattr(module_globals, name, None) for name in _GLOBAL_HOOKS)
+    return bool(module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
+                or module_globals._global_backward_hooks or module_globals._global_backward_pre_hooks)
 
 
 class GraphRunner:
@@ -105,6 +104,7 @@ class GraphRunner:
         if self.gm.code is not plan.code:  # recompiled since: walk the new graph
             plan = self.plan = self._plan()
             self.__signature__ = plan.signature
+            _call_directly(self.gm)  # ``recompile`` sets the class's ``__call__`` too
         if kwargs or len(args) != len(plan.placeholders):
             bound = plan.signature.bind(*args, **kwargs)
             bound.apply_defaults()
@@ -150,4 +150,23 @@ def install(gm: fx.GraphModule) -> fx.GraphModule:
         if module is gm or (isinstance(module, fx.GraphModule) and STATE_KEY in module.meta):
             with contextlib.suppress(_Unsupported):
                 module.forward = GraphRunner(module)
+                _call_directly(module)
     return gm
+
+
+def _call_directly(gm: fx.GraphModule) -> None:
+    """``gm(...)`` through :func:`_call`: set as ``__call__`` of the class torch.fx made for ``gm`` alone
+    (``GraphModule.__new__``; a copy gets a class of its own), where ``recompile`` sets a wrapper of
+    ``nn.Module.__call__`` that adds context to errors raised in the generated code, which the walk does not run."""
+    cls = type(gm)
+    if cls.__qualname__.split(".")[-1] == "GraphModuleImpl":  # as GraphModule.__new__ tells its own class
+        cls.__call__ = _call  # type: ignore[method-assign]
+
+
+def _call(gm: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+    """``gm(...)``: its ``forward`` straight away where ``nn.Module.__call__`` would only call it (no hooks on
+    ``gm``, no global hooks, no ``gm.compile()``, no ``torch.jit.trace``), else ``nn.Module.__call__``. At batch 1
+    with cold caches its two frames cost several microseconds a call (docs/backends.md, "The graph walk")."""
+    if gm._compiled_call_impl is None and not (hooked(gm) or _any_global_hooks() or torch._C._get_tracing_state()):
+        return gm.forward(*args, **kwargs)
+    return nn.Module.__call__(gm, *args, **kwargs)
