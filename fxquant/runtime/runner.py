@@ -27,7 +27,7 @@ from torch import fx, nn
 from torch.nn.modules import module as module_globals
 
 from fxquant.runtime import add_norm, attention, replay
-from fxquant.runtime.step import Step, hooked, load, run, slotted
+from fxquant.runtime.step import Slot, Step, hooked, load, run, slotted
 from fxquant.state import STATE_KEY
 
 
@@ -97,7 +97,8 @@ class GraphRunner:
                               slotted(node.args, slot), slotted(node.kwargs, slot), tuple(freed.get(node, ()))))
         last_read = {slot[used]: position[user] for used, user in last_use.items() if user in position}
         grouped = replay.group(steps, gm, last_read)  # oneDNN layers replayed as one step
-        return _Plan(gm.code, len(nodes), tuple(placeholders), tuple(grouped), output, inspect.Signature(parameters))
+        return _Plan(gm.code, len(nodes), tuple(placeholders), placeholders == list(range(len(placeholders))),
+                     (None,) * (len(nodes) - len(placeholders)), tuple(grouped), output, inspect.Signature(parameters))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         plan = self.plan  # one read: a thread that rebuilds it below swaps it whole
@@ -109,9 +110,12 @@ class GraphRunner:
             bound = plan.signature.bind(*args, **kwargs)
             bound.apply_defaults()
             args = tuple(bound.arguments.values())
-        env: list[Any] = [None] * plan.slots
-        for index, value in zip(plan.placeholders, args, strict=True):
-            env[index] = value
+        if plan.leading:  # the placeholders are the first nodes, as torch.fx traces them
+            env: list[Any] = [*args, *plan.rest]
+        else:
+            env = [None] * plan.slots
+            for index, value in zip(plan.placeholders, args, strict=True):
+                env[index] = value
         plain = not (torch._C._get_tracing_state() or _any_global_hooks())
         for index, op, target, direct, node_args, node_kwargs, freed in plan.steps:
             if op == "run":  # consecutive oneDNN layers (fxquant.runtime.replay)
@@ -127,13 +131,15 @@ class GraphRunner:
             env[index] = run(op, target, call_args, call_kwargs, self.gm, plain)
             for dead in freed:
                 env[dead] = None
-        return load(plan.output, env)
+        return env[plan.output.index] if isinstance(plan.output, Slot) else load(plan.output, env)
 
 
 class _Plan(NamedTuple):
     code: str  # the generated code this plan was made with (``recompile`` makes a new string)
     slots: int
     placeholders: tuple[int, ...]
+    leading: bool  # whether ``placeholders`` are slots 0, 1, ...
+    rest: tuple[None, ...]  # the other slots' values before a call
     steps: tuple[Step, ...]
     output: Any
     signature: inspect.Signature
