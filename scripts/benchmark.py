@@ -184,7 +184,8 @@ def drop_duplicate_auto(name: str, candidates: dict[str, Candidate], suite: Suit
 
 def auto_choices(candidate: Candidate) -> str:
     assert candidate.model is not None
-    layers = Counter(f"{layer.kind} -> {layer.backend}" for layer in fxquant.coverage(candidate.model).layers)
+    layers = Counter(f"{layer.kind} -> {layer.backend or 'float'}"  # float: embeddings, layers kept float
+                     for layer in fxquant.coverage(candidate.model).layers)
     return ", ".join(f"{kind} x{count}" for kind, count in layers.most_common())
 
 
