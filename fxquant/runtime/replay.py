@@ -249,15 +249,15 @@ class Run:
             keep = True
         except IndexError:
             block, addresses, keep = self._new_block(recording)
-        pointers = addresses.copy()
-        tensors: list[Any] = [None] * recording.buffers
-        for buffer, slot in enumerate(recording.inputs):
-            value = tensors[buffer] = env[slot]
-            pointers[buffer] = value.data_ptr()
-        for buffer, shape, stride, dtype in recording.fresh:
-            value = tensors[buffer] = torch.empty_strided(shape, stride, dtype=dtype)
-            pointers[buffer] = value.data_ptr()
         try:
+            pointers = addresses.copy()
+            tensors: list[Any] = [None] * recording.buffers
+            for buffer, slot in enumerate(recording.inputs):
+                value = tensors[buffer] = env[slot]
+                pointers[buffer] = value.data_ptr()
+            for buffer, shape, stride, dtype in recording.fresh:
+                value = tensors[buffer] = torch.empty_strided(shape, stride, dtype=dtype)
+                pointers[buffer] = value.data_ptr()
             for run, source, destination in recording.calls:
                 run(pointers[source], pointers[destination])
         finally:
