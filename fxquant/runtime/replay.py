@@ -31,6 +31,7 @@ concurrent callers, are at most ``KEPT_LIMIT`` bytes; past it a buffer is made f
 
 from __future__ import annotations
 
+import operator
 import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -142,7 +143,7 @@ class Run:
     def __call__(self, env: list[Any], gm: nn.Module, plain: bool) -> None:
         # One flat function on purpose, as is _replay: at batch 1 the caches are cold on a call (other work ran
         # since), and there every Python frame and generator on this path costs microseconds (docs/backends.md,
-        # "Runs of layers replayed", has the measurement).
+        # "The graph walk", has the measurement).
         modules = []
         for path in self.paths:
             module = gm
@@ -160,7 +161,7 @@ class Run:
                            else (type(value),))
         key = tuple(layouts)
         recording = self.recordings.get(key, _UNSEEN)  # one lookup: hashing the layouts is most of a check's cost
-        if (isinstance(recording, _Recording) and recording.modules == modules  # identity: modules define no __eq__
+        if (isinstance(recording, _Recording) and all(map(operator.is_, recording.modules, modules))
                 and recording.generations == [module.generation for module in modules]):
             self._replay(recording, env)
         elif recording is _UNSEEN and len(self.recordings) >= RECORDINGS_PER_RUN:
